@@ -1,0 +1,120 @@
+"""The global batch plan: which epoch positions each rank reads in each batch.
+
+An epoch's positions are cut into *global batches* of ``world_size * batch_size``; rank ``r``
+reads a contiguous share of every global batch. Every rank therefore has the same number of
+batches, and after ``g`` global batches the consumed positions are exactly a prefix of the
+epoch, whatever the world size was: that prefix is what elastic resume continues from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import numpy as np
+
+__all__ = ["LAST_BATCH_POLICIES", "EpochPlan", "LastBatch", "rollover_span"]
+
+LastBatch = Literal["keep", "drop", "pad", "rollover"]
+LAST_BATCH_POLICIES: tuple[str, ...] = get_args(LastBatch)
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """Batches over positions ``[start, stop)`` for ``world_size`` ranks.
+
+    Attributes:
+        start: first position still to read (0, or where an elastic resume continues).
+        stop: end of the epoch's positions.
+        batch_size: samples per rank per full batch.
+        world_size: number of ranks sharing each global batch.
+        last_batch: ``"keep"`` splits a short last global batch as evenly as possible (never an
+            empty batch), ``"drop"`` drops it, ``"pad"`` fills it by wrapping to position 0.
+            (``"rollover"`` is planned as ``"drop"`` over stream positions: see ``rollover_span``.)
+    """
+
+    start: int
+    stop: int
+    batch_size: int
+    world_size: int
+    last_batch: Literal["keep", "drop", "pad"] = "keep"
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.world_size < 1:
+            raise ValueError(f"batch_size and world_size must be >= 1, got {self.batch_size}, "
+                             f"{self.world_size}")
+        if not 0 <= self.start <= self.stop:
+            raise ValueError(f"need 0 <= start <= stop, got start={self.start}, stop={self.stop}")
+        if self.last_batch == "keep" and self._short_tail() and not self._can_rebalance():
+            raise ValueError(
+                f"last_batch='keep' cannot give each of {self.world_size} ranks a non-empty last "
+                f"batch from {self.stop - self.start} samples with batch_size={self.batch_size}; "
+                "use last_batch='pad' or 'drop', or a batch_size >= 2"
+            )
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.world_size
+
+    @property
+    def num_batches(self) -> int:
+        """Batches per rank (equal on every rank)."""
+        full, rest = divmod(self.stop - self.start, self.global_batch_size)
+        if rest == 0 or self.last_batch == "drop":
+            return full
+        return full + 1
+
+    def consumed(self, batches: int) -> int:
+        """The position up to which the epoch is read after ``batches`` global batches."""
+        if batches >= self.num_batches:
+            return self.stop
+        return self._span(batches)[0]
+
+    def positions(self, batch: int, rank: int) -> np.ndarray:
+        """Epoch positions (int64) that ``rank`` reads in ``batch``."""
+        if not 0 <= batch < self.num_batches:
+            raise IndexError(f"batch {batch} outside [0, {self.num_batches})")
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} outside [0, {self.world_size})")
+        begin, size = self._span(batch)
+        share, extra = divmod(size, self.world_size)
+        first = begin + rank * share + min(rank, extra)
+        pos = np.arange(first, first + share + (rank < extra), dtype=np.int64)
+        if self.last_batch == "pad":
+            beyond = pos >= self.stop
+            pos[beyond] = (pos[beyond] - self.stop) % self.stop
+        return pos
+
+    def _span(self, batch: int) -> tuple[int, int]:
+        """First position and size of global ``batch``."""
+        g = self.global_batch_size
+        full, rest = divmod(self.stop - self.start, g)
+        begin = self.start + batch * g
+        if self.last_batch != "keep" or rest == 0 or batch < full - 1:
+            return begin, g if (batch < full or self.last_batch == "pad") else rest
+        if not self._short_tail():
+            return begin, g if batch < full else rest
+        # Fewer leftovers than ranks: the second-to-last global batch gives up one sample per
+        # rank so the last one holds exactly one sample per rank.
+        shrunk = g - self.world_size + rest
+        if batch == full - 1:
+            return begin, shrunk
+        return self.start + (full - 1) * g + shrunk, self.world_size
+
+    def _short_tail(self) -> bool:
+        rest = (self.stop - self.start) % self.global_batch_size
+        return 0 < rest < self.world_size
+
+    def _can_rebalance(self) -> bool:
+        return self.batch_size >= 2 and self.stop - self.start >= self.global_batch_size
+
+
+def rollover_span(epoch: int, length: int, global_batch_size: int) -> tuple[int, int]:
+    """Stream positions ``[start, stop)`` of ``epoch`` under ``last_batch="rollover"``.
+
+    Epochs are laid end to end as one stream; global batches are cut from the stream, and a
+    batch belongs to the epoch in which it completes, so an epoch's leftover samples open the
+    next one (as MXNet Gluon's ``rollover``).
+    """
+    g = global_batch_size
+    return (epoch * length) // g * g, ((epoch + 1) * length) // g * g

@@ -1,0 +1,335 @@
+import pickle
+import time
+import warnings
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler, TensorDataset
+
+from lightning_loaders import ResumableLoader, WorkerInfo, sample_rng, worker_info
+from tests.conftest import IndexDataset
+from tests.resume_harness import check_resume_at_every_step, run_epochs, set_epoch, to_plain
+
+POLICIES = ["keep", "drop", "pad", "rollover"]
+
+
+def indices(batch) -> list[int]:
+    return batch["index"].tolist()
+
+
+def test_same_batches_as_torch_dataloader_without_shuffle() -> None:
+    ds = IndexDataset(23)
+    for drop_last in (False, True):
+        ours = [to_plain(b) for b in ResumableLoader(ds, batch_size=4, drop_last=drop_last)]
+        theirs = [to_plain(b) for b in DataLoader(ds, batch_size=4, drop_last=drop_last)]
+        assert ours == theirs
+
+
+def test_tensor_dataset_fast_path_matches_torch_collation() -> None:
+    ds = TensorDataset(torch.randn(50, 3), torch.arange(50))
+    ours = [to_plain(b) for b in ResumableLoader(ds, batch_size=8)]
+    theirs = [to_plain(b) for b in DataLoader(ds, batch_size=8)]
+    assert ours == theirs
+    assert isinstance(next(iter(ResumableLoader(ds, batch_size=8))), list)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("last_batch", POLICIES)
+def test_resume_at_every_step_is_exact(num_workers: int, last_batch: str) -> None:
+    def make() -> ResumableLoader:
+        return ResumableLoader(IndexDataset(23), batch_size=4, shuffle=True, seed=5,
+                               num_workers=num_workers, last_batch=last_batch)
+
+    full = check_resume_at_every_step(make, epochs=3, key=indices)
+    epochs = [sorted(i for b in e for i in b) for e in full]
+    assert epochs[0] != epochs[1] or last_batch == "keep"
+    if last_batch == "keep":
+        assert all(e == list(range(23)) for e in epochs)
+    orders = [[i for b in e for i in b] for e in full]
+    assert orders[0] != orders[1], "every epoch must have its own shuffle"
+
+
+def test_stream_does_not_depend_on_workers_prefetch_or_pinning() -> None:
+    runs = []
+    for kwargs in ({"num_workers": 0}, {"num_workers": 1}, {"num_workers": 2, "prefetch_factor": 1},
+                   {"num_workers": 2, "prefetch_factor": 4, "persistent_workers": False},
+                   {"num_workers": 0, "pin_memory": True}):
+        loader = ResumableLoader(IndexDataset(30), batch_size=4, shuffle=True, seed=1, **kwargs)
+        with pytest.warns(UserWarning) if kwargs.get("pin_memory") else _no_warning():
+            runs.append(run_epochs(loader, range(2), key=indices))
+    assert all(run == runs[0] for run in runs)
+
+
+class _no_warning:
+    def __enter__(self) -> None: ...
+    def __exit__(self, *exc) -> None: ...
+
+
+def _rank_batches(world: int, n: int, bs: int, policy: str) -> list[list[list[int]]]:
+    ranks = []
+    for rank in range(world):
+        loader = ResumableLoader(IndexDataset(n), batch_size=bs, shuffle=True, seed=2,
+                                 last_batch=policy, rank=rank, world_size=world)
+        ranks.append(run_epochs(loader, [0], key=indices)[0])
+    return ranks
+
+
+@pytest.mark.parametrize("policy", ["keep", "drop", "pad"])
+def test_ranks_get_equal_batch_counts_and_disjoint_shares(policy: str) -> None:
+    ranks = _rank_batches(3, 31, 4, policy)
+    assert len({len(r) for r in ranks}) == 1
+    samples = [i for r in ranks for b in r for i in b]
+    if policy == "keep":
+        assert sorted(samples) == list(range(31))
+    if policy == "drop":
+        assert len(samples) == len(set(samples)) == 24
+    if policy == "pad":
+        assert set(samples) == set(range(31)) and len(samples) == 36
+    loader = ResumableLoader(IndexDataset(31), batch_size=4, last_batch=policy, rank=1,
+                             world_size=3)
+    assert len(loader) == len(ranks[1])
+
+
+@pytest.mark.parametrize(("old_world", "new_world"), [(2, 1), (2, 3), (3, 2)])
+@pytest.mark.parametrize("steps", [0, 1, 2, 3])
+def test_elastic_resume_delivers_the_rest_of_the_epoch_exactly_once(old_world, new_world, steps):
+    n, bs = 37, 3
+    consumed, state = [], None
+    for rank in range(old_world):
+        loader = ResumableLoader(IndexDataset(n), batch_size=bs, shuffle=True, seed=9,
+                                 rank=rank, world_size=old_world)
+        iterator = iter(loader)
+        for _ in range(steps):
+            consumed += indices(next(iterator))
+        state = loader.state_dict()
+    rest = []
+    for rank in range(new_world):
+        loader = ResumableLoader(IndexDataset(n), batch_size=bs, shuffle=True, seed=9,
+                                 rank=rank, world_size=new_world)
+        loader.load_state_dict(state)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batches = [indices(b) for b in loader]
+        past_len = steps + len(batches) > len(loader)
+        assert past_len == any("elastic" in str(w.message) for w in caught)
+        rest.append(batches)
+    assert len({len(r) for r in rest}) == 1
+    remaining = [i for r in rest for b in r for i in b]
+    assert sorted(consumed + remaining) == list(range(n))
+
+
+def test_iter_alone_starts_nothing_and_advances_nothing() -> None:
+    loader = ResumableLoader(IndexDataset(10), batch_size=5, shuffle=True, num_workers=2)
+    for _ in range(3):
+        iter(loader)
+    assert psutil.Process().children() == []
+    assert loader.epoch is None
+    first = indices(next(iter(loader)))
+    assert loader.epoch == 0
+    fresh = ResumableLoader(IndexDataset(10), batch_size=5, shuffle=True, num_workers=0)
+    assert indices(next(iter(fresh))) == first
+    loader.close()
+
+
+def test_a_fresh_iter_abandons_a_stale_tail_and_starts_the_next_epoch() -> None:
+    loader = ResumableLoader(IndexDataset(20), batch_size=5, shuffle=True, seed=3)
+    reference = ResumableLoader(IndexDataset(20), batch_size=5, shuffle=True, seed=3)
+    expected = run_epochs(reference, range(2), key=indices)
+    partial = iter(loader)
+    assert indices(next(partial)) == expected[0][0]
+    assert [indices(b) for b in loader] == expected[1]
+    assert loader.epoch == 1
+    with pytest.raises(RuntimeError, match="newer iter"):
+        next(partial)
+
+
+def test_restored_cursor_wins_over_a_stale_set_epoch_and_yields_to_a_later_one() -> None:
+    def make() -> ResumableLoader:
+        return ResumableLoader(IndexDataset(20), batch_size=5, shuffle=True, seed=4)
+
+    expected = run_epochs(make(), range(4), key=indices)
+    source = make()
+    set_epoch(source, 2)
+    iterator = iter(source)
+    next(iterator)
+    state = source.state_dict()
+    stale = make()
+    stale.load_state_dict(state)
+    set_epoch(stale, 0)  # Lightning #21938: a restarted trainer may say epoch 0
+    assert [indices(b) for b in stale] == expected[2][1:]
+    moved_on = make()
+    moved_on.load_state_dict(state)
+    set_epoch(moved_on, 3)  # limit_train_batches: the trainer has moved on to epoch 3
+    assert [indices(b) for b in moved_on] == expected[3]
+
+
+def test_cursor_at_epoch_end_starts_the_next_epoch() -> None:
+    def make() -> ResumableLoader:
+        return ResumableLoader(IndexDataset(20), batch_size=5, shuffle=True, seed=4)
+
+    expected = run_epochs(make(), range(2), key=indices)
+    done = make()
+    run_epochs(done, [0])
+    resumed = make()
+    resumed.load_state_dict(done.state_dict())
+    set_epoch(resumed, 0)
+    assert [indices(b) for b in resumed] == expected[1]
+
+
+def test_state_is_tiny_and_independent_of_size_and_workers() -> None:
+    sizes = set()
+    for n, workers in ((10, 0), (10**9, 0), (100, 2)):
+        loader = ResumableLoader(_Range(n), batch_size=4, shuffle=True, num_workers=workers)
+        next(iter(loader))
+        sizes.add(len(pickle.dumps(loader.state_dict())))
+        loader.close()
+    assert max(sizes) < 1024
+    assert max(sizes) - min(sizes) < 16
+
+
+class _Range(torch.utils.data.Dataset[int]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def test_resume_at_the_end_of_a_billion_sample_epoch_is_a_jump() -> None:
+    n, bs = 10**9, 1000
+    loader = ResumableLoader(_Range(n), batch_size=bs, shuffle=True, seed=1)
+    last = len(loader) - 1
+    state = {**loader.state_dict(), "batches": last}
+    started = time.perf_counter()
+    resumed = ResumableLoader(_Range(n), batch_size=bs, shuffle=True, seed=1)
+    resumed.load_state_dict(state)
+    batch = next(iter(resumed))
+    elapsed = time.perf_counter() - started
+    assert len(batch) == bs and resumed.state_dict()["batches"] == last + 1
+    print(f"load_state_dict + first batch at batch {last} of 10**9 samples: {elapsed * 1e3:.1f} ms")
+
+
+def _check_worker_init(worker: int) -> None:
+    assert isinstance(worker, WorkerInfo) and worker == worker.id
+    assert (worker.num_workers, worker.rank, worker.world_size, worker.seed) == (2, 0, 1, 11)
+    assert isinstance(worker.dataset, IndexDataset)
+    assert worker_info() is worker
+
+
+def test_worker_init_fn_gets_an_int_with_rich_info() -> None:
+    # A failed assertion in worker_init_fn is re-raised here by torch's worker machinery.
+    loader = ResumableLoader(IndexDataset(8), batch_size=2, num_workers=2, seed=11,
+                             worker_init_fn=_check_worker_init)
+    assert sum(len(indices(b)) for b in loader) == 8
+    loader.close()
+    got = {tuple(b[0].tolist()) for b in ResumableLoader(_WorkerReport(), batch_size=1,
+                                                          num_workers=2, seed=11)}
+    assert got == {(0, 2, 0, 1, 11), (1, 2, 0, 1, 11)}
+
+
+class _WorkerReport(torch.utils.data.Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        info = worker_info()
+        assert info is not None
+        return torch.tensor([int(info), info.num_workers, info.rank, info.world_size, info.seed])
+
+
+class _Augmented(torch.utils.data.Dataset[torch.Tensor]):
+    """Random per sample, through both the per-sample RNG and the global numpy RNG."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([index, sample_rng().integers(1 << 30), np.random.randint(1 << 30)])
+
+
+def test_randomness_is_reproducible_whatever_the_workers() -> None:
+    def run(workers: int, world: int = 1) -> list[list[int]]:
+        rows = []
+        for rank in range(world):
+            loader = ResumableLoader(_Augmented(), batch_size=3, shuffle=True, seed=8,
+                                     num_workers=workers, rank=rank, world_size=world)
+            rows += [r for e in run_epochs(loader, range(2)) for b in e for r in b]
+        return rows
+
+    base = run(0)
+    assert run(2) == base
+    assert len({r[1] for r in base}) == len(base), "per-sample draws must differ"
+    per_sample = {(r[0], r[1]) for r in base}
+    assert {(r[0], r[1]) for r in run(0, world=2)} == per_sample
+
+
+def test_two_loaders_interleaved_keep_their_own_context() -> None:
+    a = iter(ResumableLoader(_Augmented(), batch_size=2, seed=1, num_workers=1))
+    b = iter(ResumableLoader(_Augmented(), batch_size=2, seed=2, num_workers=1))
+    mixed = [(next(a).tolist(), next(b).tolist()) for _ in range(3)]
+    for side, seed in ((0, 1), (1, 2)):
+        alone = [b.tolist() for b in ResumableLoader(_Augmented(), batch_size=2, seed=seed)]
+        assert [m[side] for m in mixed] == alone[:3]
+
+
+def test_samplers_convert_to_their_resumable_equivalents() -> None:
+    ds = IndexDataset(12)
+    sequential = ResumableLoader(ds, sampler=SequentialSampler(ds), batch_size=5)
+    assert [indices(b) for b in sequential] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11]]
+    shuffled = ResumableLoader(ds, sampler=RandomSampler(ds), batch_size=5, seed=3)
+    assert [indices(b) for b in shuffled] == [
+        indices(b) for b in ResumableLoader(ds, shuffle=True, batch_size=5, seed=3)]
+    from_generator = ResumableLoader(ds, shuffle=True, batch_size=5,
+                                     generator=torch.Generator().manual_seed(3))
+    assert from_generator.seed == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"batch_size": 0}, "batch_size"),
+        ({"num_workers": -1}, "num_workers"),
+        ({"shuffle": True, "sampler": [0, 1]}, "shuffle"),
+        ({"last_batch": "wrap"}, "last_batch"),
+        ({"drop_last": True, "last_batch": "pad"}, "contradicts"),
+        ({"prefetch_factor": 2}, "num_workers"),
+        ({"timeout": -1}, "timeout"),
+    ],
+)
+def test_impossible_settings_fail_at_construction(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        ResumableLoader(IndexDataset(10), **kwargs)
+
+
+def test_drop_with_fewer_samples_than_a_global_batch_says_how_to_fix_it() -> None:
+    loader = ResumableLoader(IndexDataset(5), batch_size=4, drop_last=True, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="smaller batch_size"):
+        len(loader)
+
+
+def test_errors_in_user_code_name_the_sample_and_keep_the_cause() -> None:
+    class Broken(IndexDataset):
+        def __getitem__(self, index: int):
+            if index == 7:
+                raise KeyError("no such record")
+            return super().__getitem__(index)
+
+    for workers in (0, 2):
+        loader = ResumableLoader(Broken(10), batch_size=4, num_workers=workers)
+        with pytest.raises(Exception, match=r"sample index 7 .*batch 1.* epoch 0") as info:
+            list(loader)
+        assert "no such record" in str(info.value)
+        loader.close()
+
+
+def test_repr_says_where_the_loader_is() -> None:
+    loader = ResumableLoader(IndexDataset(10), batch_size=4, shuffle=True, seed=2)
+    next(iter(loader))
+    text = repr(loader)
+    for part in ("IndexDataset(len=10)", "batch_size=4", "rank=0/1", "epoch=0", "batches=1"):
+        assert part in text
