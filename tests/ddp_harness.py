@@ -1,0 +1,61 @@
+"""Real multi-process DDP for tests: launch a script as N ranks on CPU (gloo), collect results.
+
+Ranks are started the way ``torchrun`` starts them (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE`` in the environment), so a ``Trainer(strategy="ddp",
+accelerator="cpu", devices=N)`` inside the script joins them instead of launching its own.
+Each rank reports through ``write_result``; a rank that fails or hangs fails the test with its
+output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULT_DIR_ENV = "LL_TEST_RESULT_DIR"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_ddp(script: str | Path, args: list[str], result_dir: Path, world_size: int = 2,
+            timeout: float = 300) -> list[Any]:
+    """Run ``python script *args`` as ``world_size`` ranks; returns each rank's result."""
+    result_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+               "NODE_RANK": "0", RESULT_DIR_ENV: str(result_dir),
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=REPO,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{output[-6000:]}"
+    return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def write_result(result: Any) -> None:
+    """Called inside a rank: report ``result`` (JSON-serialisable) to the launching test."""
+    rank = int(os.environ.get("RANK", 0))
+    path = Path(os.environ[RESULT_DIR_ENV]) / f"rank{rank}.json"
+    path.write_text(json.dumps(result))
