@@ -11,6 +11,7 @@ from lightning_loaders.loader import ResumableLoader
 from lightning_loaders.order import SampleOrder, SequentialOrder, ShuffledOrder
 from lightning_loaders.permutation import KeyedPermutation
 from lightning_loaders.plan import EpochPlan, LastBatch
+from lightning_loaders.schedule import MapSchedule
 
 __version__ = "0.1.0"
 
@@ -18,6 +19,7 @@ __all__ = [
     "EpochPlan",
     "KeyedPermutation",
     "LastBatch",
+    "MapSchedule",
     "ResumableLoader",
     "SampleContext",
     "SampleOrder",

@@ -10,22 +10,19 @@ from __future__ import annotations
 
 import os
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, get_worker_info
 
 from lightning_loaders._fetch import BatchFetcher, BatchRequest
 from lightning_loaders._hashing import mix64
 from lightning_loaders.context import WorkerInfo, _set_worker
-from lightning_loaders.distributed import resolve_rank_world
 from lightning_loaders.order import SampleOrder, SequentialOrder, ShuffledOrder
-from lightning_loaders.plan import LAST_BATCH_POLICIES, EpochPlan, LastBatch, rollover_span
+from lightning_loaders.plan import LastBatch
 from lightning_loaders.samplers import order_from_sampler
-from lightning_loaders.state import LoaderState
+from lightning_loaders.schedule import MapSchedule, resolve_last_batch
 
 __all__ = ["ResumableLoader"]
 
@@ -98,7 +95,7 @@ class ResumableLoader:
             raise ValueError(f"timeout must be >= 0, got {timeout}")
         if prefetch_factor is not None and num_workers == 0:
             raise ValueError("prefetch_factor needs num_workers > 0 (as in DataLoader)")
-        self.last_batch: LastBatch = _resolve_last_batch(last_batch, drop_last)
+        self.last_batch: LastBatch = resolve_last_batch(last_batch, drop_last)
         if not in_order:
             warnings.warn("in_order=False is ignored: exact resume needs batches in plan order",
                           stacklevel=2)
@@ -116,20 +113,12 @@ class ResumableLoader:
         self.persistent_workers = num_workers > 0 and persistent_workers is not False
         self.pin_memory_device = pin_memory_device
         self.seed = _resolve_seed(seed, generator)
-        self._dataset_len = len(dataset)
-        if self._dataset_len < 1:
+        if len(dataset) < 1:
             raise ValueError("the dataset is empty")
-        self.order = self._make_order(sampler, bool(shuffle))
-        self._explicit_placement = (rank, world_size)
-        self.sampler = _EpochSampler(self)
-        # The cursor: the epoch being delivered and the batches delivered in it.
-        self._placement: tuple[int, int] | None = None
-        self._epoch: int | None = None
-        self._batches = 0
-        self._offset_batches = 0
-        self._plan: EpochPlan | None = None
-        self._pending: LoaderState | None = None
-        self._requested_epoch: int | None = None
+        order = self._make_order(sampler, bool(shuffle), len(dataset))
+        self.schedule = MapSchedule(order, batch_size, self.last_batch, self.seed, rank,
+                                    world_size)
+        self.sampler = _EpochSampler(self.schedule)
         self._iter_token = 0
         self._torch_loader: DataLoader[Any] | None = None
 
@@ -142,58 +131,35 @@ class ResumableLoader:
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (equal on every rank)."""
-        if self.last_batch == "rollover":
-            raise TypeError("len() is undefined with last_batch='rollover': epochs differ in "
-                            "length by one batch as leftovers roll over")
-        _, world_size = self._current_placement()
-        return self._plan_for(0, world_size).num_batches
+        return len(self.schedule)
 
     def __repr__(self) -> str:
-        rank, world_size = self._current_placement()
-        epoch = "not started" if self._epoch is None else self._epoch
+        schedule = self.schedule
+        rank, world_size = schedule.placement
+        epoch = "not started" if schedule.epoch is None else schedule.epoch
         return (f"{type(self).__name__}(dataset={type(self.dataset).__name__}(len="
-                f"{self._dataset_len}), batch_size={self.batch_size}, order="
-                f"{self.order.fingerprint}, last_batch={self.last_batch!r}, num_workers="
+                f"{schedule.dataset_len}), batch_size={self.batch_size}, order="
+                f"{schedule.order.fingerprint}, last_batch={self.last_batch!r}, num_workers="
                 f"{self.num_workers}, rank={rank}/{world_size}, seed={self.seed}, epoch={epoch}, "
-                f"batches={self._batches})")
+                f"batches={schedule.batches})")
 
     @property
     def epoch(self) -> int | None:
         """The epoch being delivered (``None`` before the first batch)."""
-        return self._epoch
+        return self.schedule.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Ask for ``epoch`` at the next epoch start.
-
-        A restored cursor wins over an earlier or equal epoch (Lightning may call this with a
-        stale epoch on restart); a later epoch abandons the cursor's unfinished epoch.
-        """
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
-        if self._epoch == epoch and self._pending is None and self._requested_epoch is None:
-            return
-        self._requested_epoch = epoch
-
-    # -- state ------------------------------------------------------------------------------
+        """Ask for ``epoch`` at the next epoch start; a restored cursor wins over an earlier
+        or equal epoch, a later one abandons the cursor's unfinished epoch."""
+        self.schedule.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor as a small plain dict (O(1) in dataset length and worker count)."""
-        if self._pending is not None:
-            return self._pending.to_dict()
-        _, world_size = self._current_placement()
-        requested = self._requested_epoch
-        if self._epoch is None or (requested is not None and requested > self._epoch):
-            state = LoaderState(requested or 0, 0, world_size, fingerprint=self._fingerprint())
-        else:
-            assert self._placement is not None
-            state = LoaderState(self._epoch, self._batches, self._placement[1],
-                                self._offset_position(), self._offset_batches,
-                                fingerprint=self._fingerprint())
-        return state.to_dict()
+        return self.schedule.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a cursor; the next ``iter()`` continues exactly after its last batch."""
-        self._pending = LoaderState.from_dict(state_dict, self._fingerprint())
+        self.schedule.load_state_dict(state_dict)
 
     def close(self) -> None:
         """Shut the worker processes down now (they also stop when the loader is collected)."""
@@ -202,83 +168,15 @@ class ResumableLoader:
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
 
-    # -- epochs -----------------------------------------------------------------------------
-
     def _begin_epoch(self) -> Iterator[Any]:
         """Decide which epoch and batch come next, then start delivering from there."""
-        rank, world_size = self._placement = self._current_placement()
-        pending, requested = self._pending, self._requested_epoch
-        self._pending = self._requested_epoch = None
-        if pending is not None and (requested is None or requested <= pending.epoch):
-            self._resume(pending, world_size)
-        else:
-            if requested is not None:
-                epoch = requested
-            else:
-                epoch = 0 if self._epoch is None else self._epoch + 1
-            self._start(epoch, 0, 0, world_size)
-        assert self._plan is not None
-        if self._batches - self._offset_batches >= self._plan.num_batches:
-            assert self._epoch is not None
-            self._start(self._epoch + 1, 0, 0, world_size)
+        self.schedule.begin_epoch()
         return iter(self._workers())
-
-    def _start(self, epoch: int, batches: int, offset_batches: int, world_size: int,
-               offset_position: int = 0) -> None:
-        self._epoch, self._batches, self._offset_batches = epoch, batches, offset_batches
-        self._plan = self._plan_for(epoch, world_size, offset_position)
-
-    def _resume(self, state: LoaderState, world_size: int) -> None:
-        if state.world_size == world_size:
-            self._start(state.epoch, state.batches, state.offset_batches, world_size,
-                        state.offset_position)
-            return
-        if self.last_batch == "rollover":
-            raise ValueError(f"cannot resume last_batch='rollover' with another world size: "
-                             f"saved {state.world_size}, now {world_size}")
-        saved = self._plan_for(state.epoch, state.world_size, state.offset_position)
-        position = saved.consumed(state.batches - state.offset_batches)
-        self._start(state.epoch, state.batches, state.batches, world_size, position)
-        assert self._plan is not None
-        full_epoch = self._plan_for(state.epoch, world_size).num_batches
-        if state.batches + self._plan.num_batches > full_epoch:
-            warnings.warn(
-                f"elastic resume from world size {state.world_size} to {world_size} after "
-                f"{state.batches} batches leaves {self._plan.num_batches} batches in this epoch, "
-                f"past len()={full_epoch}: a trainer that stops at len() (Lightning does) would "
-                "skip the last ones. Resume at an epoch end, or on fewer ranks.",
-                stacklevel=3,
-            )
-
-    def _plan_for(self, epoch: int, world_size: int, offset_position: int = 0) -> EpochPlan:
-        if self.last_batch == "rollover":
-            start, stop = rollover_span(epoch, self._dataset_len, self.batch_size * world_size)
-            return EpochPlan(start, stop, self.batch_size, world_size, "drop")
-        plan = EpochPlan(offset_position, self._dataset_len, self.batch_size, world_size,
-                         self.last_batch)
-        if offset_position == 0 and plan.num_batches == 0:
-            raise ValueError(
-                f"last_batch='drop' leaves no batch: {self._dataset_len} samples are fewer than "
-                f"one global batch of {world_size} ranks x batch_size {self.batch_size}; use a "
-                "smaller batch_size or last_batch='keep'/'pad'"
-            )
-        return plan
-
-    def _offset_position(self) -> int:
-        assert self._plan is not None
-        return 0 if self.last_batch == "rollover" else self._plan.start
-
-    def _requests(self) -> Iterator[BatchRequest]:
-        """This rank's remaining batch requests of the current epoch, from the cursor on."""
-        assert self._plan is not None and self._epoch is not None
-        return _batch_requests(self._plan, self._epoch, self._batches, self._offset_batches,
-                               self._current_placement()[0], self.order,
-                               self._dataset_len if self.last_batch == "rollover" else None)
 
     def _workers(self) -> DataLoader[Any]:
         """torch's DataLoader over our batch requests (created once, workers persistent)."""
         if self._torch_loader is None:
-            rank, world_size = self._current_placement()
+            rank, world_size = self.schedule.placement
             extra: dict[str, Any] = {}
             if self.num_workers > 0:
                 extra = {"prefetch_factor": self.prefetch_factor,
@@ -288,13 +186,13 @@ class ResumableLoader:
             self._torch_loader = DataLoader(
                 BatchFetcher(self.dataset, self.collate_fn, self.seed),
                 batch_size=None,
-                sampler=_RequestSampler(self),
+                sampler=_RequestSampler(self.schedule),
                 num_workers=self.num_workers,
                 collate_fn=_passthrough,
                 pin_memory=self.pin_memory,
                 timeout=self.timeout,
                 worker_init_fn=_WorkerStart(self.worker_init_fn, self.num_workers, rank,
-                                            world_size, self._epoch or 0, self.seed),
+                                            world_size, self.schedule.epoch or 0, self.seed),
                 multiprocessing_context=self.multiprocessing_context,
                 generator=torch.Generator().manual_seed(mix64(self.seed, rank) >> 1),
                 **extra,
@@ -303,22 +201,12 @@ class ResumableLoader:
 
     # -- configuration ----------------------------------------------------------------------
 
-    def _current_placement(self) -> tuple[int, int]:
-        if self._placement is not None:
-            return self._placement
-        return resolve_rank_world(*self._explicit_placement)
-
-    def _make_order(self, sampler: Any, shuffle: bool) -> SampleOrder:
+    def _make_order(self, sampler: Any, shuffle: bool, dataset_len: int) -> SampleOrder:
         if sampler is not None:
-            return order_from_sampler(sampler, self._dataset_len, self.seed)
+            return order_from_sampler(sampler, dataset_len, self.seed)
         if shuffle:
-            return ShuffledOrder(self._dataset_len, self.seed)
-        return SequentialOrder(self._dataset_len)
-
-    def _fingerprint(self) -> dict[str, Any]:
-        return {"dataset_len": self._dataset_len, "seed": self.seed,
-                "batch_size": self.batch_size, "last_batch": self.last_batch,
-                "order": self.order.fingerprint}
+            return ShuffledOrder(dataset_len, self.seed)
+        return SequentialOrder(dataset_len)
 
 
 class _LoaderIterator:
@@ -339,49 +227,40 @@ class _LoaderIterator:
         if self._batches is None:
             self._batches = loader._begin_epoch()
         batch = next(self._batches)
-        loader._batches += 1
+        loader.schedule.delivered()
         return batch
 
 
-class _LoaderView:
-    """Holds its loader weakly: no reference cycle, so a dropped loader (and its workers) goes
-    at once, not at a later garbage collection that a forked worker could run on its copy."""
+class _EpochSampler:
+    """What Lightning sees as ``loader.sampler``: forwards ``set_epoch`` to the schedule.
 
-    def __init__(self, loader: ResumableLoader) -> None:
-        self._loader_ref = weakref.ref(loader)
+    Like ``_RequestSampler`` it holds the schedule, never the loader, so there is no reference
+    cycle: a dropped loader (and its workers) goes at once, not at a later garbage collection
+    that a forked worker could run on its copy.
+    """
 
-    @property
-    def _loader(self) -> ResumableLoader:
-        loader = self._loader_ref()
-        if loader is None:
-            raise RuntimeError("the ResumableLoader behind this object was garbage-collected")
-        return loader
-
-
-class _EpochSampler(_LoaderView):
-    """What Lightning sees as ``loader.sampler``: forwards ``set_epoch`` to the loader."""
+    def __init__(self, schedule: MapSchedule) -> None:
+        self._schedule = schedule
 
     def set_epoch(self, epoch: int) -> None:
-        self._loader.set_epoch(epoch)
+        self._schedule.set_epoch(epoch)
 
     def __len__(self) -> int:
         """Samples this rank reads per epoch."""
-        loader = self._loader
-        rank, world_size = loader._current_placement()
-        plan = loader._plan_for(0, world_size)
-        return sum(len(plan.positions(b, rank)) for b in range(plan.num_batches))
+        return self._schedule.samples_per_epoch()
 
 
-class _RequestSampler(_LoaderView, Sampler[BatchRequest]):
+class _RequestSampler(Sampler[BatchRequest]):
     """The internal DataLoader's sampler: re-reads the cursor at every ``iter()``."""
 
+    def __init__(self, schedule: MapSchedule) -> None:
+        self._schedule = schedule
+
     def __iter__(self) -> Iterator[BatchRequest]:
-        return self._loader._requests()
+        return self._schedule.requests()
 
     def __len__(self) -> int:
-        loader = self._loader
-        assert loader._plan is not None
-        return loader._plan.num_batches - (loader._batches - loader._offset_batches)
+        return self._schedule.remaining
 
 
 class _WorkerStart:
@@ -404,37 +283,8 @@ class _WorkerStart:
             self.user_fn(info)
 
 
-def _batch_requests(plan: EpochPlan, epoch: int, batches: int, offset_batches: int, rank: int,
-                    order: SampleOrder, stream_epoch_len: int | None) -> Iterator[BatchRequest]:
-    """Requests for batches ``batches..`` of ``plan`` (a free function: the generator must not
-    keep the loader alive). ``stream_epoch_len`` is set when positions are rollover stream
-    positions, which span the permutations of two epochs."""
-    for batch in range(batches - offset_batches, plan.num_batches):
-        positions = plan.positions(batch, rank)
-        if stream_epoch_len is None:
-            sample_epochs = np.full_like(positions, epoch)
-            indices = order.indices(epoch, positions)
-        else:
-            sample_epochs, positions = np.divmod(positions, stream_epoch_len)
-            indices = np.empty_like(positions)
-            for sample_epoch in np.unique(sample_epochs):
-                mask = sample_epochs == sample_epoch
-                indices[mask] = order.indices(int(sample_epoch), positions[mask])
-        yield BatchRequest(epoch, offset_batches + batch, rank, sample_epochs, positions, indices)
-
-
 def _passthrough(batch: Any) -> Any:
     return batch
-
-
-def _resolve_last_batch(last_batch: str | None, drop_last: bool) -> LastBatch:
-    if last_batch is None:
-        return "drop" if drop_last else "keep"
-    if last_batch not in LAST_BATCH_POLICIES:
-        raise ValueError(f"last_batch must be one of {LAST_BATCH_POLICIES}, got {last_batch!r}")
-    if drop_last and last_batch != "drop":
-        raise ValueError(f"drop_last=True contradicts last_batch={last_batch!r}; give one of them")
-    return last_batch  # type: ignore[return-value]
 
 
 def _resolve_seed(seed: int | None, generator: torch.Generator | None) -> int:

@@ -1,0 +1,211 @@
+"""``MapSchedule``: the plan of every epoch plus the cursor, for loaders over indexable data.
+
+It answers "which dataset indices does this rank read in each remaining batch of the current
+epoch", owns the epoch against the trainer's ``set_epoch`` calls, counts delivered batches and
+saves/restores itself as a ``LoaderState``. ``ResumableLoader`` and the DALI/FFCV adapters
+differ only in the engine that turns its requests into batches.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from lightning_loaders._fetch import BatchRequest
+from lightning_loaders.distributed import resolve_rank_world
+from lightning_loaders.order import SampleOrder
+from lightning_loaders.plan import LAST_BATCH_POLICIES, EpochPlan, LastBatch, rollover_span
+from lightning_loaders.state import LoaderState
+
+__all__ = ["MapSchedule", "resolve_last_batch"]
+
+
+class MapSchedule:
+    """Plan and cursor of a loader over ``order`` in batches of ``batch_size`` per rank.
+
+    The cursor is ``(epoch, batches delivered in it)``; ``begin_epoch`` decides where the next
+    epoch starts: a restored cursor wins over an earlier or equal ``set_epoch`` (Lightning may
+    pass a stale epoch on restart); a later ``set_epoch`` abandons the cursor's epoch; a cursor at
+    the end of an epoch, or a new epoch without a request, starts the following epoch.
+    """
+
+    def __init__(self, order: SampleOrder, batch_size: int, last_batch: LastBatch, seed: int,
+                 rank: int | None = None, world_size: int | None = None) -> None:
+        self.order = order
+        self.dataset_len = len(order)
+        self.batch_size = batch_size
+        self.last_batch = last_batch
+        self.seed = seed
+        self._explicit_placement = (rank, world_size)
+        self._placement: tuple[int, int] | None = None
+        self.epoch: int | None = None
+        self.batches = 0
+        self._offset_batches = 0
+        self.plan: EpochPlan | None = None
+        self._pending: LoaderState | None = None
+        self._requested_epoch: int | None = None
+
+    # -- placement and size -----------------------------------------------------------------
+
+    @property
+    def placement(self) -> tuple[int, int]:
+        """``(rank, world_size)``: fixed at the first epoch start, resolved afresh before it."""
+        if self._placement is not None:
+            return self._placement
+        return resolve_rank_world(*self._explicit_placement)
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (equal on every rank)."""
+        if self.last_batch == "rollover":
+            raise TypeError("len() is undefined with last_batch='rollover': epochs differ in "
+                            "length by one batch as leftovers roll over")
+        return self.plan_for(0, self.placement[1]).num_batches
+
+    def samples_per_epoch(self) -> int:
+        """Samples this rank reads in a full epoch."""
+        rank, world_size = self.placement
+        plan = self.plan_for(0, world_size)
+        return sum(len(plan.positions(b, rank)) for b in range(plan.num_batches))
+
+    def plan_for(self, epoch: int, world_size: int, offset_position: int = 0) -> EpochPlan:
+        if self.last_batch == "rollover":
+            start, stop = rollover_span(epoch, self.dataset_len, self.batch_size * world_size)
+            return EpochPlan(start, stop, self.batch_size, world_size, "drop")
+        plan = EpochPlan(offset_position, self.dataset_len, self.batch_size, world_size,
+                         self.last_batch)
+        if offset_position == 0 and plan.num_batches == 0:
+            raise ValueError(
+                f"last_batch='drop' leaves no batch: {self.dataset_len} samples are fewer than "
+                f"one global batch of {world_size} ranks x batch_size {self.batch_size}; use a "
+                "smaller batch_size or last_batch='keep'/'pad'"
+            )
+        return plan
+
+    # -- epochs -----------------------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Ask for ``epoch`` at the next epoch start (see the class docstring for precedence)."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if self.epoch == epoch and self._pending is None and self._requested_epoch is None:
+            return
+        self._requested_epoch = epoch
+
+    def begin_epoch(self) -> None:
+        """Fix placement and decide which epoch and batch come next."""
+        _, world_size = self._placement = self.placement
+        pending, requested = self._pending, self._requested_epoch
+        self._pending = self._requested_epoch = None
+        if pending is not None and (requested is None or requested <= pending.epoch):
+            self._resume(pending, world_size)
+        else:
+            if requested is not None:
+                epoch = requested
+            else:
+                epoch = 0 if self.epoch is None else self.epoch + 1
+            self._start(epoch, 0, 0, world_size)
+        if self.remaining == 0:
+            assert self.epoch is not None
+            self._start(self.epoch + 1, 0, 0, world_size)
+
+    @property
+    def remaining(self) -> int:
+        """Batches of the current epoch not yet delivered."""
+        assert self.plan is not None
+        return self.plan.num_batches - (self.batches - self._offset_batches)
+
+    def delivered(self) -> None:
+        """Count one batch handed to the caller."""
+        self.batches += 1
+
+    def requests(self) -> Iterator[BatchRequest]:
+        """This rank's remaining batch requests of the current epoch, from the cursor on."""
+        assert self.plan is not None and self.epoch is not None
+        return _batch_requests(self.plan, self.epoch, self.batches, self._offset_batches,
+                               self.placement[0], self.order,
+                               self.dataset_len if self.last_batch == "rollover" else None)
+
+    def _start(self, epoch: int, batches: int, offset_batches: int, world_size: int,
+               offset_position: int = 0) -> None:
+        self.epoch, self.batches, self._offset_batches = epoch, batches, offset_batches
+        self.plan = self.plan_for(epoch, world_size, offset_position)
+
+    def _resume(self, state: LoaderState, world_size: int) -> None:
+        if state.world_size == world_size:
+            self._start(state.epoch, state.batches, state.offset_batches, world_size,
+                        state.offset_position)
+            return
+        if self.last_batch == "rollover":
+            raise ValueError(f"cannot resume last_batch='rollover' with another world size: "
+                             f"saved {state.world_size}, now {world_size}")
+        saved = self.plan_for(state.epoch, state.world_size, state.offset_position)
+        position = saved.consumed(state.batches - state.offset_batches)
+        self._start(state.epoch, state.batches, state.batches, world_size, position)
+        full_epoch = self.plan_for(state.epoch, world_size).num_batches
+        if state.batches + self.remaining > full_epoch:
+            warnings.warn(
+                f"elastic resume from world size {state.world_size} to {world_size} after "
+                f"{state.batches} batches leaves {self.remaining} batches in this epoch, "
+                f"past len()={full_epoch}: a trainer that stops at len() (Lightning does) would "
+                "skip the last ones. Resume at an epoch end, or on fewer ranks.",
+                stacklevel=4,
+            )
+
+    # -- state ------------------------------------------------------------------------------
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"dataset_len": self.dataset_len, "seed": self.seed,
+                "batch_size": self.batch_size, "last_batch": self.last_batch,
+                "order": self.order.fingerprint}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor as a small plain dict (O(1) in dataset length and worker count)."""
+        if self._pending is not None:
+            return self._pending.to_dict()
+        requested = self._requested_epoch
+        if self.epoch is None or (requested is not None and requested > self.epoch):
+            state = LoaderState(requested or 0, 0, self.placement[1],
+                                fingerprint=self.fingerprint())
+        else:
+            assert self.plan is not None
+            offset = 0 if self.last_batch == "rollover" else self.plan.start
+            state = LoaderState(self.epoch, self.batches, self.placement[1], offset,
+                                self._offset_batches, fingerprint=self.fingerprint())
+        return state.to_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a cursor; the next ``begin_epoch`` continues exactly after its last batch."""
+        self._pending = LoaderState.from_dict(state_dict, self.fingerprint())
+
+
+def _batch_requests(plan: EpochPlan, epoch: int, batches: int, offset_batches: int, rank: int,
+                    order: SampleOrder, stream_epoch_len: int | None) -> Iterator[BatchRequest]:
+    """Requests for batches ``batches..`` of ``plan`` (a free function: the generator must not
+    keep its schedule alive). ``stream_epoch_len`` is set when positions are rollover stream
+    positions, which span the permutations of two epochs."""
+    for batch in range(batches - offset_batches, plan.num_batches):
+        positions = plan.positions(batch, rank)
+        if stream_epoch_len is None:
+            sample_epochs = np.full_like(positions, epoch)
+            indices = order.indices(epoch, positions)
+        else:
+            sample_epochs, positions = np.divmod(positions, stream_epoch_len)
+            indices = np.empty_like(positions)
+            for sample_epoch in np.unique(sample_epochs):
+                mask = sample_epochs == sample_epoch
+                indices[mask] = order.indices(int(sample_epoch), positions[mask])
+        yield BatchRequest(epoch, offset_batches + batch, rank, sample_epochs, positions, indices)
+
+
+def resolve_last_batch(last_batch: str | None, drop_last: bool) -> LastBatch:
+    """``last_batch``, or what ``drop_last`` means when it is not given."""
+    if last_batch is None:
+        return "drop" if drop_last else "keep"
+    if last_batch not in LAST_BATCH_POLICIES:
+        raise ValueError(f"last_batch must be one of {LAST_BATCH_POLICIES}, got {last_batch!r}")
+    if drop_last and last_batch != "drop":
+        raise ValueError(f"drop_last=True contradicts last_batch={last_batch!r}; give one of them")
+    return last_batch  # type: ignore[return-value]
