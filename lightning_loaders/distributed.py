@@ -1,12 +1,14 @@
-"""Rank and world size, resolved lazily (at first use, not at construction)."""
+"""Rank, world size and device, resolved lazily (at first use, not at construction)."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["resolve_rank_world"]
+__all__ = ["resolve_device", "resolve_rank_world"]
 
 
 def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -26,3 +28,19 @@ def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
     return rank, world_size
+
+
+def resolve_device(trainer: Any = None, device: torch.device | str | None = None) -> torch.device:
+    """The device a GPU pipeline should use on this process.
+
+    From, in order: an explicit ``device``; the trainer's ``strategy.root_device`` (right even
+    when ``devices=[2, 3]`` makes ``local_rank`` differ from the CUDA index); ``cuda:LOCAL_RANK``
+    when CUDA is available; else the CPU.
+    """
+    if device is not None:
+        return torch.device(device)
+    if trainer is not None:
+        return torch.device(trainer.strategy.root_device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
