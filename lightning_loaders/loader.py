@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler,
 
 from lightning_loaders._fetch import BatchFetcher, BatchRequest
 from lightning_loaders._hashing import mix64
+from lightning_loaders._lightning import batches_held, find_prefetcher
 from lightning_loaders.context import WorkerInfo, _set_worker
 from lightning_loaders.order import SampleOrder, SequentialOrder, ShuffledOrder
 from lightning_loaders.plan import LastBatch
@@ -120,6 +122,7 @@ class ResumableLoader:
                                     world_size)
         self.sampler = _EpochSampler(self.schedule)
         self._iter_token = 0
+        self._prefetcher: weakref.ref[Any] | None = None
         self._torch_loader: DataLoader[Any] | None = None
 
     # -- the DataLoader surface -------------------------------------------------------------
@@ -127,6 +130,7 @@ class ResumableLoader:
     def __iter__(self) -> Iterator[Any]:
         """A new iterator. Cheap: the epoch and the workers start at its first ``next()``."""
         self._iter_token += 1
+        self._prefetcher = find_prefetcher()
         return _LoaderIterator(self, self._iter_token)
 
     def __len__(self) -> int:
@@ -155,7 +159,7 @@ class ResumableLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor as a small plain dict (O(1) in dataset length and worker count)."""
-        return self.schedule.state_dict()
+        return self.schedule.state_dict(held=batches_held(self._prefetcher))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a cursor; the next ``iter()`` continues exactly after its last batch."""

@@ -161,8 +161,12 @@ class MapSchedule:
                 "batch_size": self.batch_size, "last_batch": self.last_batch,
                 "order": self.order.fingerprint}
 
-    def state_dict(self) -> dict[str, Any]:
-        """The cursor as a small plain dict (O(1) in dataset length and worker count)."""
+    def state_dict(self, held: int = 0) -> dict[str, Any]:
+        """The cursor as a small plain dict (O(1) in dataset length and worker count).
+
+        ``held``: batches delivered but not yet used by the consumer (a prefetching trainer);
+        they are not counted, so a resume delivers them again.
+        """
         if self._pending is not None:
             return self._pending.to_dict()
         requested = self._requested_epoch
@@ -172,7 +176,8 @@ class MapSchedule:
         else:
             assert self.plan is not None
             offset = 0 if self.last_batch == "rollover" else self.plan.start
-            state = LoaderState(self.epoch, self.batches, self.placement[1], offset,
+            batches = max(self.batches - held, self._offset_batches)
+            state = LoaderState(self.epoch, batches, self.placement[1], offset,
                                 self._offset_batches, fingerprint=self.fingerprint())
         return state.to_dict()
 
