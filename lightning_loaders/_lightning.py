@@ -20,21 +20,28 @@ _SEARCH_DEPTH = 8
 
 
 def find_prefetcher() -> weakref.ref[Any] | None:
-    """The Lightning prefetching data fetcher calling ``iter()`` on us, if any."""
+    """The Lightning prefetching data fetcher calling ``iter()`` on us, if any.
+
+    Only frames running a fetcher's own ``__iter__`` are looked into: reading ``f_locals`` of
+    any other frame would pin that frame's locals (a user's loader and its workers, say).
+    """
     classes = tuple(
         cls for name in _FETCHER_MODULES
         if (module := sys.modules.get(name)) is not None
         and (cls := getattr(module, "_PrefetchDataFetcher", None)) is not None
     )
-    if not classes:
-        return None
+    codes = {
+        method.__code__ for cls in classes for klass in cls.__mro__
+        if (method := klass.__dict__.get("__iter__")) is not None and hasattr(method, "__code__")
+    }
     frame: FrameType | None = sys._getframe(1)
     for _ in range(_SEARCH_DEPTH):
         if frame is None:
             return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, classes):
-            return weakref.ref(candidate)
+        if frame.f_code in codes:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, classes):
+                return weakref.ref(candidate)
         frame = frame.f_back
     return None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import psutil
 import pytest
 import torch
 
@@ -24,3 +25,23 @@ class IndexDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 @pytest.fixture
 def index_dataset() -> IndexDataset:
     return IndexDataset(23)
+
+
+def loader_processes() -> list[psutil.Process]:
+    """Live child processes that a loader could have started.
+
+    Leaves out helpers that are not a loader's and live as long as the test process: torch's
+    shared-memory manager and Python's multiprocessing resource tracker (started by the first
+    shared-memory segment, e.g. FFCV's writer), and zombies already gone.
+    """
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE or child.name() == "torch_shm_manager":
+                continue
+            if any("resource_tracker" in part for part in child.cmdline()):
+                continue
+        except psutil.NoSuchProcess:
+            continue
+        found.append(child)
+    return found

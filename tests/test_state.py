@@ -8,7 +8,7 @@ FP = {"dataset_len": 10, "seed": 1, "batch_size": 2, "last_batch": "keep", "orde
 def test_round_trip_is_a_plain_dict() -> None:
     state = LoaderState(3, 4, 2, fingerprint=FP).to_dict()
     assert state["version"] == STATE_VERSION
-    assert all(isinstance(v, int | str | dict) for v in state.values())
+    assert all(isinstance(v, int | str | dict | None) for v in state.values())
     assert LoaderState.from_dict(state, FP) == LoaderState(3, 4, 2, fingerprint=FP)
 
 

@@ -1,0 +1,36 @@
+"""One rank of a 2-process DDP ``Trainer.fit`` with ``ResumableLoader`` (run by tests/ddp_harness).
+
+Reports what every training step saw on this rank; with ``--ckpt-dir`` checkpoints every step,
+with ``--resume`` continues from that checkpoint.
+"""
+
+import argparse
+from pathlib import Path
+
+import torch.distributed as dist
+
+from lightning_loaders import ResumableLoader
+from tests.conftest import IndexDataset
+from tests.ddp_harness import write_result
+from tests.lightning_harness import every_step_checkpoints, fit_recording
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--samples", type=int, default=13)
+parser.add_argument("--batch-size", type=int, default=2)
+parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--workers", type=int, default=0)
+parser.add_argument("--last-batch", default="keep")
+parser.add_argument("--ckpt-dir", type=Path)
+parser.add_argument("--resume", type=Path)
+args = parser.parse_args()
+
+
+def make_loader() -> ResumableLoader:
+    return ResumableLoader(IndexDataset(args.samples), batch_size=args.batch_size, shuffle=True,
+                           seed=3, num_workers=args.workers, last_batch=args.last_batch)
+
+
+callbacks = [every_step_checkpoints(args.ckpt_dir)] if args.ckpt_dir else []
+seen = fit_recording(make_loader, Path(args.ckpt_dir or "."), args.epochs, callbacks,
+                     ckpt_path=args.resume, strategy="ddp", devices=2)
+write_result({"rank": dist.get_rank(), "len": len(make_loader()), "seen": seen})

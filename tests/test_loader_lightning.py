@@ -1,0 +1,100 @@
+"""ResumableLoader under a real Lightning Trainer (CPU): resume, epochs and the known traps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.utilities import CombinedLoader
+
+from lightning_loaders import ResumableLoader
+from tests.conftest import IndexDataset
+from tests.lightning_harness import (
+    RecordingModule,
+    check_trainer_resume,
+    checkpoint_at,
+    every_step_checkpoints,
+    fit_recording,
+)
+
+
+def loader_factory(n: int = 7, batch_size: int = 2, **kwargs):
+    def make() -> ResumableLoader:
+        return ResumableLoader(IndexDataset(n), batch_size=batch_size, shuffle=True, seed=7,
+                               **kwargs)
+
+    return make
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("last_batch", ["keep", "drop", "pad", "rollover"])
+def test_resume_from_every_checkpoint_equals_the_uninterrupted_run(
+        tmp_path: Path, num_workers: int, last_batch: str) -> None:
+    make = loader_factory(num_workers=num_workers, last_batch=last_batch)
+    full = check_trainer_resume(make, tmp_path, max_epochs=2,
+                                batch_idx=last_batch != "rollover")
+    epochs = sorted({epoch for epoch, _, _ in full})
+    assert epochs == [0, 1], "no epoch may be skipped or merged"
+    per_epoch = [[i for e, _, b in full if e == epoch for i in b] for epoch in epochs]
+    if last_batch == "keep":
+        assert all(sorted(seen) == list(range(7)) for seen in per_epoch)
+    assert per_epoch[0] != per_epoch[1], "each epoch needs its own shuffle"
+
+
+def test_the_first_resumed_epoch_gets_its_own_shuffle(tmp_path: Path) -> None:
+    """Lightning #21938: resuming into epoch 1 must not replay epoch 0's order."""
+    make = loader_factory(n=12, batch_size=4)
+    directory = tmp_path / "ckpt"
+    full = fit_recording(make, tmp_path, 3, [every_step_checkpoints(directory)])
+    end_of_epoch_0 = checkpoint_at(directory, 3)
+    resumed = fit_recording(make, tmp_path, 3, ckpt_path=end_of_epoch_0)
+    assert resumed == full[3:]
+    assert [b for e, _, b in resumed if e == 1] != [b for e, _, b in full if e == 0]
+
+
+def test_limit_train_batches_leaves_no_stale_tail(tmp_path: Path) -> None:
+    """With limit_train_batches each epoch starts fresh, also after a resume at the limit."""
+    make = loader_factory(n=20, batch_size=2)
+    directory = tmp_path / "ckpt"
+    full = fit_recording(make, tmp_path, 3, [every_step_checkpoints(directory)],
+                         limit_train_batches=4)
+    assert len(full) == 12
+    reference = make()
+    for epoch in range(3):
+        reference.set_epoch(epoch)
+        first = next(iter(reference))["index"].tolist()
+        assert [b for e, i, b in full if e == epoch and i == 0] == [first]
+    for step in (2, 4, 8):
+        resumed = fit_recording(make, tmp_path, 3, ckpt_path=checkpoint_at(directory, step),
+                                limit_train_batches=4)
+        assert resumed == full[step:]
+
+
+def test_checkpoint_at_the_last_batch_of_an_epoch_skips_no_epoch(tmp_path: Path) -> None:
+    make = loader_factory(n=9, batch_size=3)
+    full = check_trainer_resume(make, tmp_path, max_epochs=3, steps=[3, 6])
+    assert [e for e, _, _ in full] == [0] * 3 + [1] * 3 + [2] * 3
+
+
+def test_several_training_loaders_each_keep_their_own_cursor(tmp_path: Path) -> None:
+    def make() -> CombinedLoader:
+        return CombinedLoader({
+            "a": ResumableLoader(IndexDataset(10), batch_size=2, shuffle=True, seed=1),
+            "b": ResumableLoader(IndexDataset(7), batch_size=3, shuffle=True, seed=2,
+                                 last_batch="pad"),
+        }, mode="max_size_cycle")
+
+    full = check_trainer_resume(make, tmp_path, max_epochs=2, steps=[1, 3, 5, 7])
+    assert {len(step[2]) for step in full} == {2}
+    seen_a = [i for e, _, b in full if e == 0 for i in b["a"]]
+    assert sorted(seen_a) == list(range(10))
+
+
+def test_trainer_takes_len_batches_equal_to_the_plan(tmp_path: Path) -> None:
+    loader = loader_factory(n=23, batch_size=4)()
+    model = RecordingModule()
+    fit_recording(lambda: loader, tmp_path, 1, model=model)
+    assert len(model.seen) == len(loader) == 6
+    assert torch.equal(torch.tensor(sorted(i for _, _, b in model.seen for i in b)),
+                       torch.arange(23))
