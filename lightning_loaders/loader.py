@@ -4,29 +4,48 @@ state is a cursor.
 The order of an epoch is a pure function of ``(seed, epoch, world_size, rank)``; the cursor is
 ``(epoch, batches delivered)``, counted when a batch reaches the caller. Workers are torch's own
 (``DataLoader`` machinery), fed with planned batch requests.
+
+Because the cursor only moves on delivery, every fault is handled by restarting from it: a
+worker that dies is replaced and the batch it owed is requested again; an error in user code
+leaves the cursor on the failing batch; ``close()`` at any point loses nothing.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, get_worker_info
 
+from lightning_loaders._checks import check_loader_arguments, check_picklable, start_method
+from lightning_loaders._faults import Failed, OnError, Skipped, SkippedSample
 from lightning_loaders._fetch import BatchFetcher, BatchRequest
 from lightning_loaders._hashing import mix64
 from lightning_loaders._lightning import batches_held, find_prefetcher
+from lightning_loaders._workers import WorkerLost, WorkerPool, WorkerStalled, shutdown
 from lightning_loaders.context import WorkerInfo, _set_worker
+from lightning_loaders.errors import (
+    WorkerCrashedError,
+    WorkerInitError,
+    WorkerTimeoutError,
+    describe_exit,
+)
 from lightning_loaders.order import SampleOrder, SequentialOrder, ShuffledOrder
 from lightning_loaders.plan import LastBatch
 from lightning_loaders.samplers import order_from_sampler
 from lightning_loaders.schedule import MapSchedule, resolve_last_batch
 
 __all__ = ["ResumableLoader"]
+
+_log = logging.getLogger(__name__)
+_SKIPPED = "skipped"  # state["extra"] key: samples skipped under on_error="skip" so far
+_NOTHING = object()  # a batch whose samples were all skipped: nothing to deliver
 
 
 class ResumableLoader:
@@ -42,10 +61,40 @@ class ResumableLoader:
             next epoch).
         rank, world_size: explicit placement; by default resolved at the first ``next()`` from
             the process group or the ``RANK``/``WORLD_SIZE`` environment.
+        on_error: ``"raise"`` (default): an exception in ``__getitem__``, a transform or
+            ``collate_fn`` is re-raised in the main process as ``SampleFetchError`` naming the
+            sample (dataset index and epoch position), batch, epoch, worker and rank, chained to
+            the original exception (with the worker's traceback). ``"skip"``: a sample whose
+            fetch raises is left out of its batch (which is then shorter; a batch with no sample
+            left is not delivered) and recorded in ``skipped``. Skipping is deterministic when
+            the same samples always fail, and a resume skips them again; ``collate_fn`` errors
+            are always raised.
+        max_worker_restarts: a worker process that dies (killed by a signal, e.g. the
+            out-of-memory killer) is replaced, with all workers restarted from the cursor, so
+            the stream goes on exactly as without the crash; at most this many times per epoch
+            (default 3), then ``WorkerCrashedError``. ``0`` raises at the first crash.
+        evaluation: for validation/test/predict: with ``last_batch="keep"`` and
+            ``batch_size=1``, leftover samples (fewer than ranks) join the last batch of the
+            first ranks instead of failing, so every sample is read once and every rank has the
+            same number of batches.
+
+    ``timeout`` raises ``WorkerTimeoutError`` naming the worker whose batch is late. Workers
+    stop on ``close()`` (also used as ``with loader:``), when the loader is collected, and when
+    a Lightning ``Trainer`` tears its loop down (end of ``fit``, an exception, Ctrl-C,
+    SIGTERM).
 
     Unlike ``DataLoader``, workers are persistent between epochs unless
     ``persistent_workers=False``, and ``in_order`` is always honoured as ``True``.
     """
+
+    def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """An iterable dataset gets a ``ResumableIterableLoader`` (same arguments, plus
+        ``shuffle_buffer`` and ``sync_interval``): sharded, equal-length, exactly resumable."""
+        if cls is ResumableLoader and isinstance(dataset, IterableDataset):
+            from lightning_loaders.iterable import ResumableIterableLoader
+
+            return ResumableIterableLoader(dataset, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -71,6 +120,9 @@ class ResumableLoader:
         last_batch: LastBatch | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        on_error: OnError = "raise",
+        max_worker_restarts: int = 3,
+        evaluation: bool = False,
     ) -> None:
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
             raise TypeError("ResumableLoader needs a map-style dataset (with __len__ and "
@@ -85,18 +137,16 @@ class ResumableLoader:
             sampler = batch_sampler.sampler  # type: ignore[assignment]
             batch_size = batch_sampler.batch_size
             drop_last = batch_sampler.drop_last
-        if batch_size is None or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r} (unbatched "
-                             "loading is not supported: use batch_size=1)")
+        check_loader_arguments(
+            batch_size=batch_size, num_workers=num_workers, timeout=timeout,
+            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+            collate_fn=collate_fn, worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context, on_error=on_error,
+            max_worker_restarts=max_worker_restarts)
+        assert batch_size is not None
         if sampler is not None and shuffle:
             raise ValueError("shuffle=True cannot be combined with a sampler: the sampler "
                              "decides the order (drop shuffle, or drop the sampler)")
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-        if timeout < 0:
-            raise ValueError(f"timeout must be >= 0, got {timeout}")
-        if prefetch_factor is not None and num_workers == 0:
-            raise ValueError("prefetch_factor needs num_workers > 0 (as in DataLoader)")
         self.last_batch: LastBatch = resolve_last_batch(last_batch, drop_last)
         if not in_order:
             warnings.warn("in_order=False is ignored: exact resume needs batches in plan order",
@@ -115,15 +165,32 @@ class ResumableLoader:
         self.persistent_workers = num_workers > 0 and persistent_workers is not False
         self.pin_memory_device = pin_memory_device
         self.seed = _resolve_seed(seed, generator)
+        self.on_error: OnError = on_error
+        self.max_worker_restarts = max_worker_restarts
         if len(dataset) < 1:
-            raise ValueError("the dataset is empty")
+            raise ValueError(f"the dataset ({type(dataset).__name__}) is empty: len() is 0; a "
+                             "loader needs at least one sample (check its path or filter)")
+        if num_workers > 0:
+            check_picklable(start_method(multiprocessing_context), dataset=dataset,
+                            collate_fn=collate_fn, worker_init_fn=worker_init_fn)
         order = self._make_order(sampler, bool(shuffle), len(dataset))
         self.schedule = MapSchedule(order, batch_size, self.last_batch, self.seed, rank,
-                                    world_size)
+                                    world_size, merge_short_tail=evaluation)
+        _check_plan(self.schedule)
         self.sampler = _EpochSampler(self.schedule)
+        self.batch_sampler: Any = None  # DataLoader's surface: Lightning's evaluation reads it
         self._iter_token = 0
         self._prefetcher: weakref.ref[Any] | None = None
         self._torch_loader: DataLoader[Any] | None = None
+        self._active: Iterator[Any] | None = None  # the torch iterator delivering now
+        self._generation = 0  # bumped by close(): iterators then reopen from the cursor
+        self._epoch_restarts = 0
+        self.worker_restarts = 0
+        """Worker restarts after crashes in this process (all epochs)."""
+        self.skipped: list[SkippedSample] = []
+        """Samples skipped under ``on_error="skip"`` in this process, in delivery order."""
+        self._num_skipped = 0
+        self._recent_skips: deque[int] = deque(maxlen=8)  # per delivered batch, newest last
 
     # -- the DataLoader surface -------------------------------------------------------------
 
@@ -157,25 +224,137 @@ class ResumableLoader:
         or equal epoch, a later one abandons the cursor's unfinished epoch."""
         self.schedule.set_epoch(epoch)
 
+    @property
+    def skipped_indices(self) -> list[int]:
+        """Dataset indices of ``skipped`` (this process's history, not saved in the state)."""
+        return [sample.index for sample in self.skipped]
+
+    @property
+    def num_skipped(self) -> int:
+        """Samples skipped so far in the run, including before a resume (saved in the state)."""
+        return self._num_skipped
+
     def state_dict(self) -> dict[str, Any]:
         """The cursor as a small plain dict (O(1) in dataset length and worker count)."""
-        return self.schedule.state_dict(held=batches_held(self._prefetcher))
+        held = batches_held(self._prefetcher)
+        state = self.schedule.state_dict(held=held)
+        if self.on_error == "skip" or self._num_skipped:
+            recent = list(self._recent_skips)
+            in_held = sum(recent[max(0, len(recent) - held):]) if held else 0
+            state["extra"] = {**state.get("extra", {}), _SKIPPED: self._num_skipped - in_held}
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a cursor; the next ``iter()`` continues exactly after its last batch."""
+        """Restore a cursor; the next ``iter()`` continues exactly after its last batch.
+
+        A state from another dataset length, seed, batch size, last-batch policy or order, of
+        an unknown version, or corrupted, is refused with a ``ValueError`` naming each field
+        and both values. ``num_workers``, ``prefetch_factor`` and ``pin_memory`` may differ,
+        and so may the world size (except under ``last_batch="rollover"``).
+        """
+        skipped = _saved_skip_count(state_dict)
         self.schedule.load_state_dict(state_dict)
+        self._num_skipped = skipped
+        self._recent_skips.clear()
 
     def close(self) -> None:
-        """Shut the worker processes down now (they also stop when the loader is collected)."""
-        loader, self._torch_loader = self._torch_loader, None
-        iterator = getattr(loader, "_iterator", None)
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()
+        """Shut the worker processes down now (they also stop when the loader is collected).
 
-    def _begin_epoch(self) -> Iterator[Any]:
-        """Decide which epoch and batch come next, then start delivering from there."""
+        Nothing is lost: an iterator used after ``close()`` starts new workers and continues
+        from the cursor.
+        """
+        active, self._active = self._active, None
+        loader, self._torch_loader = self._torch_loader, None
+        self._generation += 1
+        shutdown(active)
+        shutdown(getattr(loader, "_iterator", None))
+
+    def __enter__(self) -> ResumableLoader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def _iterator(self) -> None:
+        """Lightning's loop teardown (end of ``fit``, exceptions, Ctrl-C, SIGTERM) stops a
+        loader's workers by setting ``loader._iterator = None``: that closes this loader."""
+        return None
+
+    @_iterator.setter
+    def _iterator(self, value: object) -> None:
+        if value is None:
+            self.close()
+
+    def _begin_epoch(self) -> None:
+        """Decide which epoch and batch come next."""
         self.schedule.begin_epoch()
-        return iter(self._workers())
+        self._epoch_restarts = 0
+
+    def _open(self) -> Iterator[Any]:
+        """A torch iterator over the rest of the epoch from the cursor (starting workers)."""
+        self._active = iter(self._workers())
+        return self._active
+
+    def _receive(self, item: Any) -> Any:
+        """Unwrap what a fetch returned: raise a worker's error, record skipped samples."""
+        kind = type(item)
+        if kind is Failed:
+            self.close()  # the cursor stays on the failed batch: a retry requests it again
+            item.reraise()
+        if kind is not Skipped:
+            self._recent_skips.append(0)
+            return item
+        rank = self.schedule.placement[0]
+        for sample in item.skipped:
+            _log.warning("skipped sample index %d (epoch %d position %d, batch %d) on rank %d: "
+                         "%s", sample.index, sample.epoch, sample.position, sample.batch, rank,
+                         sample.error)
+        self.skipped.extend(item.skipped)
+        self._num_skipped += len(item.skipped)
+        if item.empty:
+            return _NOTHING
+        self._recent_skips.append(len(item.skipped))
+        return item.batch
+
+    def _recover(self, lost: WorkerLost) -> None:
+        """Replace crashed workers (the next ``_open`` restarts from the cursor), or raise."""
+        self.close()
+        worker, pid, exitcode = lost.workers[0]
+        schedule = self.schedule
+        rank, epoch, batch = schedule.placement[0], schedule.epoch, schedule.batches
+        what = (f"DataLoader worker {worker} (pid {pid}) {describe_exit(exitcode)} with batch "
+                f"{batch} of epoch {epoch} due next on rank {rank}")
+        if len(lost.workers) > 1:
+            what += f" (also dead: {[(w, p) for w, p, _ in lost.workers[1:]]} as (worker, pid))"
+        if self._epoch_restarts >= self.max_worker_restarts:
+            if self.max_worker_restarts == 0:
+                fix = ("worker recovery is off (max_worker_restarts=0): set max_worker_restarts "
+                       ">= 1 to restart the workers from the cursor and continue")
+            else:
+                fix = (f"gave up after {self._epoch_restarts} restarts in this epoch "
+                       f"(max_worker_restarts={self.max_worker_restarts}): look at the "
+                       "workers' memory use, or at the samples of that batch")
+            raise WorkerCrashedError(f"{what}; {fix}", worker=worker, pid=pid,
+                                     exitcode=exitcode, epoch=epoch, batch=batch, rank=rank,
+                                     restarts=self._epoch_restarts) from None
+        self._epoch_restarts += 1
+        self.worker_restarts += 1
+        _log.warning("%s; restarting %d workers from the cursor (restart %d of at most %d in "
+                     "this epoch)", what, self.num_workers, self._epoch_restarts,
+                     self.max_worker_restarts)
+
+    def _stall_error(self, stalled: WorkerStalled) -> WorkerTimeoutError:
+        """The error for a batch later than ``timeout`` (workers are stopped first)."""
+        self.close()
+        schedule = self.schedule
+        rank, epoch, batch = schedule.placement[0], schedule.epoch, schedule.batches
+        return WorkerTimeoutError(
+            f"DataLoader worker {stalled.worker} (pid {stalled.pid}) stalled: batch {batch} of "
+            f"epoch {epoch} on rank {rank} did not arrive within timeout={stalled.timeout} s. "
+            "See what that process is doing (e.g. py-spy dump --pid PID), or raise timeout",
+            worker=stalled.worker, pid=stalled.pid, timeout=stalled.timeout, epoch=epoch,
+            batch=batch, rank=rank)
 
     def _workers(self) -> DataLoader[Any]:
         """torch's DataLoader over our batch requests (created once, workers persistent)."""
@@ -187,8 +366,8 @@ class ResumableLoader:
                          "persistent_workers": self.persistent_workers}
             if self.pin_memory_device:
                 extra["pin_memory_device"] = self.pin_memory_device
-            self._torch_loader = DataLoader(
-                BatchFetcher(self.dataset, self.collate_fn, self.seed),
+            self._torch_loader = WorkerPool(
+                BatchFetcher(self.dataset, self.collate_fn, self.seed, self.on_error),
                 batch_size=None,
                 sampler=_RequestSampler(self.schedule),
                 num_workers=self.num_workers,
@@ -219,7 +398,10 @@ class _LoaderIterator:
     def __init__(self, loader: ResumableLoader, token: int) -> None:
         self._loader = loader
         self._token = token
+        self._started = False
         self._batches: Iterator[Any] | None = None
+        self._generation = -1
+        self._order_version = 0  # a re-weighted order re-plans the prefetched batches
 
     def __iter__(self) -> _LoaderIterator:
         return self
@@ -228,11 +410,40 @@ class _LoaderIterator:
         loader = self._loader
         if loader._iter_token != self._token:
             raise RuntimeError("this iterator was replaced by a newer iter() on its loader")
-        if self._batches is None:
-            self._batches = loader._begin_epoch()
-        batch = next(self._batches)
-        loader.schedule.delivered()
-        return batch
+        if not self._started:
+            loader._begin_epoch()
+            self._started = True
+        while True:
+            batch = loader._receive(self._next_item())
+            loader.schedule.delivered()
+            if batch is not _NOTHING:
+                return batch
+
+    def _next_item(self) -> Any:
+        """The next fetched item, from workers (re)opened at the cursor whenever needed."""
+        loader = self._loader
+        while True:
+            try:
+                if (self._batches is None or self._generation != loader._generation
+                        or self._order_version != loader.schedule.order_version):
+                    if loader.schedule.remaining == 0:
+                        raise StopIteration
+                    self._generation = loader._generation
+                    self._order_version = loader.schedule.order_version
+                    self._batches = loader._open()
+                return next(self._batches)
+            except StopIteration:
+                raise
+            except WorkerLost as lost:
+                self._batches = None
+                loader._recover(lost)
+            except WorkerStalled as stalled:
+                self._batches = None
+                raise loader._stall_error(stalled) from None
+            except BaseException:
+                self._batches = None
+                loader.close()
+                raise
 
 
 class _EpochSampler:
@@ -278,17 +489,57 @@ class _WorkerStart:
 
     def __call__(self, worker_id: int) -> None:
         torch_info = get_worker_info()
-        dataset = getattr(torch_info.dataset, "dataset", None) if torch_info else None
+        fetcher = torch_info.dataset if torch_info else None
         info = WorkerInfo(worker_id, num_workers=self.num_workers, rank=self.rank,
                           world_size=self.world_size, epoch=self.epoch, seed=self.seed,
-                          dataset=dataset)
+                          dataset=getattr(fetcher, "dataset", None))
         _set_worker(info)
-        if self.user_fn is not None:
+        if self.user_fn is None:
+            return
+        try:
             self.user_fn(info)
+        except Exception as exc:
+            pid = os.getpid()
+            error = WorkerInitError(
+                f"{type(exc).__name__} in worker_init_fn of worker {worker_id} (pid {pid}) on "
+                f"rank {self.rank}: {exc}", worker=worker_id, pid=pid, rank=self.rank,
+                cause_type=type(exc).__name__)
+            if not isinstance(fetcher, BatchFetcher):
+                raise error from exc
+            error.__cause__ = exc
+            fetcher.init_failure = Failed(error)  # every batch of this worker reports it
 
 
 def _passthrough(batch: Any) -> Any:
     return batch
+
+
+def _check_plan(schedule: MapSchedule) -> None:
+    """Refuse, at construction, a plan that cannot give every rank a batch in every epoch
+    (for the placement known now; one resolved later is checked at the first batch)."""
+    _, world_size = schedule.placement
+    if schedule.last_batch != "rollover":
+        schedule.plan_for(0, world_size)
+        return
+    global_batch = schedule.batch_size * world_size
+    if schedule.dataset_len < global_batch:
+        raise ValueError(
+            f"last_batch='rollover' needs at least one global batch per epoch: "
+            f"{schedule.dataset_len} samples are fewer than {world_size} ranks x batch_size "
+            f"{schedule.batch_size}; use batch_size <= {schedule.dataset_len // world_size} or "
+            "another last_batch policy")
+
+
+def _saved_skip_count(state_dict: Any) -> int:
+    """The skip count saved in a state (0 when absent); a corrupted one is refused."""
+    extra = state_dict.get("extra") if isinstance(state_dict, Mapping) else None
+    if not isinstance(extra, Mapping):
+        return 0
+    count = extra.get(_SKIPPED, 0)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError(f"corrupted loader state: extra.{_SKIPPED}={count!r} is not an int "
+                         ">= 0")
+    return count
 
 
 def _resolve_seed(seed: int | None, generator: torch.Generator | None) -> int:

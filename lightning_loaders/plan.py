@@ -31,6 +31,9 @@ class EpochPlan:
         last_batch: ``"keep"`` splits a short last global batch as evenly as possible (never an
             empty batch), ``"drop"`` drops it, ``"pad"`` fills it by wrapping to position 0.
             (``"rollover"`` is planned as ``"drop"`` over stream positions: see ``rollover_span``.)
+        merge_short_tail: with ``"keep"``, a short tail that only empty batches could spread
+            (``batch_size=1``) joins the last full global batch instead, so its first ranks read
+            one extra sample: what evaluation needs (every sample once, equal batch counts).
     """
 
     start: int
@@ -38,6 +41,7 @@ class EpochPlan:
     batch_size: int
     world_size: int
     last_batch: Literal["keep", "drop", "pad"] = "keep"
+    merge_short_tail: bool = False
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.world_size < 1:
@@ -45,11 +49,14 @@ class EpochPlan:
                              f"{self.world_size}")
         if not 0 <= self.start <= self.stop:
             raise ValueError(f"need 0 <= start <= stop, got start={self.start}, stop={self.stop}")
-        if self.last_batch == "keep" and self._short_tail() and not self._can_rebalance():
+        if (self.last_batch == "keep" and self._short_tail() and not self._can_rebalance()
+                and not self._merges_tail()):
+            fix = (f"evaluate on at most {self.stop - self.start} ranks" if self.merge_short_tail
+                   else "use last_batch='pad' or 'drop', or a batch_size >= 2")
             raise ValueError(
                 f"last_batch='keep' cannot give each of {self.world_size} ranks a non-empty last "
                 f"batch from {self.stop - self.start} samples with batch_size={self.batch_size}; "
-                "use last_batch='pad' or 'drop', or a batch_size >= 2"
+                f"{fix}"
             )
 
     @property
@@ -60,7 +67,7 @@ class EpochPlan:
     def num_batches(self) -> int:
         """Batches per rank (equal on every rank)."""
         full, rest = divmod(self.stop - self.start, self.global_batch_size)
-        if rest == 0 or self.last_batch == "drop":
+        if rest == 0 or self.last_batch == "drop" or self._merges_tail():
             return full
         return full + 1
 
@@ -90,6 +97,8 @@ class EpochPlan:
         g = self.global_batch_size
         full, rest = divmod(self.stop - self.start, g)
         begin = self.start + batch * g
+        if self._merges_tail():
+            return begin, g + rest if batch == full - 1 else g
         if self.last_batch != "keep" or rest == 0 or batch < full - 1:
             return begin, g if (batch < full or self.last_batch == "pad") else rest
         if not self._short_tail():
@@ -107,6 +116,11 @@ class EpochPlan:
 
     def _can_rebalance(self) -> bool:
         return self.batch_size >= 2 and self.stop - self.start >= self.global_batch_size
+
+    def _merges_tail(self) -> bool:
+        return (self.merge_short_tail and self.last_batch == "keep" and self._short_tail()
+                and not self._can_rebalance()
+                and self.stop - self.start >= self.global_batch_size)
 
 
 def rollover_span(epoch: int, length: int, global_batch_size: int) -> tuple[int, int]:

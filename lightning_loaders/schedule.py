@@ -20,21 +20,32 @@ from lightning_loaders.order import SampleOrder
 from lightning_loaders.plan import LAST_BATCH_POLICIES, EpochPlan, LastBatch, rollover_span
 from lightning_loaders.state import LoaderState
 
-__all__ = ["MapSchedule", "resolve_last_batch"]
+__all__ = ["MapSchedule", "following_epoch", "resolve_last_batch", "trainer_moved_on"]
+
+ORDER_STATE = "order"
 
 
 class MapSchedule:
     """Plan and cursor of a loader over ``order`` in batches of ``batch_size`` per rank.
 
-    The cursor is ``(epoch, batches delivered in it)``; ``begin_epoch`` decides where the next
-    epoch starts: a restored cursor wins over an earlier or equal ``set_epoch`` (Lightning may
-    pass a stale epoch on restart); a later ``set_epoch`` abandons the cursor's epoch; a cursor at
-    the end of an epoch, or a new epoch without a request, starts the following epoch.
+    The cursor is ``(epoch, batches delivered in it)``. ``set_epoch`` records the trainer's
+    epoch; ``begin_epoch`` (at the first ``next()`` of a new iterator) decides what comes next:
+
+    - a restored cursor continues, unless it is at its epoch's end or the trainer has moved to a
+      later epoch than the one the cursor's epoch began under (an earlier or equal trainer epoch
+      is stale: Lightning may pass one on restart, #21938);
+    - otherwise the next epoch starts: one past the current epoch, or the trainer's epoch if that
+      is later (so an unfinished epoch's tail is abandoned, as after ``limit_train_batches``).
+
+    The trainer epoch an epoch began under is saved with the cursor, so a restored loader makes
+    exactly the decision the uninterrupted one would have made.
     """
 
     def __init__(self, order: SampleOrder, batch_size: int, last_batch: LastBatch, seed: int,
-                 rank: int | None = None, world_size: int | None = None) -> None:
+                 rank: int | None = None, world_size: int | None = None,
+                 merge_short_tail: bool = False) -> None:
         self.order = order
+        self.merge_short_tail = merge_short_tail
         self.dataset_len = len(order)
         self.batch_size = batch_size
         self.last_batch = last_batch
@@ -46,7 +57,8 @@ class MapSchedule:
         self._offset_batches = 0
         self.plan: EpochPlan | None = None
         self._pending: LoaderState | None = None
-        self._requested_epoch: int | None = None
+        self._trainer_epoch: int | None = None
+        self._owner: int | None = None
 
     # -- placement and size -----------------------------------------------------------------
 
@@ -75,41 +87,40 @@ class MapSchedule:
             start, stop = rollover_span(epoch, self.dataset_len, self.batch_size * world_size)
             return EpochPlan(start, stop, self.batch_size, world_size, "drop")
         plan = EpochPlan(offset_position, self.dataset_len, self.batch_size, world_size,
-                         self.last_batch)
+                         self.last_batch, merge_short_tail=self.merge_short_tail)
         if offset_position == 0 and plan.num_batches == 0:
             raise ValueError(
                 f"last_batch='drop' leaves no batch: {self.dataset_len} samples are fewer than "
                 f"one global batch of {world_size} ranks x batch_size {self.batch_size}; use a "
-                "smaller batch_size or last_batch='keep'/'pad'"
+                "smaller batch_size, fewer ranks, or last_batch='pad' (or 'keep' with at least "
+                "one sample per rank)"
             )
         return plan
 
     # -- epochs -----------------------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        """Ask for ``epoch`` at the next epoch start (see the class docstring for precedence)."""
+        """Record the trainer's epoch; it takes effect at the next epoch start."""
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
-        if self.epoch == epoch and self._pending is None and self._requested_epoch is None:
-            return
-        self._requested_epoch = epoch
+        self._trainer_epoch = epoch
 
     def begin_epoch(self) -> None:
-        """Fix placement and decide which epoch and batch come next."""
+        """Fix placement and decide which epoch and batch come next (see the class docstring)."""
         _, world_size = self._placement = self.placement
-        pending, requested = self._pending, self._requested_epoch
-        self._pending = self._requested_epoch = None
-        if pending is not None and (requested is None or requested <= pending.epoch):
+        pending, self._pending = self._pending, None
+        trainer = self._trainer_epoch
+        if pending is not None:
             self._resume(pending, world_size)
-        else:
-            if requested is not None:
-                epoch = requested
-            else:
-                epoch = 0 if self.epoch is None else self.epoch + 1
-            self._start(epoch, 0, 0, world_size)
-        if self.remaining == 0:
-            assert self.epoch is not None
-            self._start(self.epoch + 1, 0, 0, world_size)
+            if self.remaining > 0 and not trainer_moved_on(trainer, self._owner):
+                return
+        self._start(following_epoch(self.epoch, trainer, self._owner), 0, 0, world_size,
+                    owner=trainer)
+
+    @property
+    def order_version(self) -> int:
+        """Changes when the order's indices change mid-epoch (a re-weighted sampler)."""
+        return int(getattr(self.order, "version", 0))
 
     @property
     def remaining(self) -> int:
@@ -129,21 +140,23 @@ class MapSchedule:
                                self.dataset_len if self.last_batch == "rollover" else None)
 
     def _start(self, epoch: int, batches: int, offset_batches: int, world_size: int,
-               offset_position: int = 0) -> None:
+               offset_position: int = 0, owner: int | None = None) -> None:
         self.epoch, self.batches, self._offset_batches = epoch, batches, offset_batches
+        self._owner = owner
         self.plan = self.plan_for(epoch, world_size, offset_position)
 
     def _resume(self, state: LoaderState, world_size: int) -> None:
         if state.world_size == world_size:
             self._start(state.epoch, state.batches, state.offset_batches, world_size,
-                        state.offset_position)
+                        state.offset_position, state.trainer_epoch)
             return
         if self.last_batch == "rollover":
             raise ValueError(f"cannot resume last_batch='rollover' with another world size: "
                              f"saved {state.world_size}, now {world_size}")
         saved = self.plan_for(state.epoch, state.world_size, state.offset_position)
         position = saved.consumed(state.batches - state.offset_batches)
-        self._start(state.epoch, state.batches, state.batches, world_size, position)
+        self._start(state.epoch, state.batches, state.batches, world_size, position,
+                    state.trainer_epoch)
         full_epoch = self.plan_for(state.epoch, world_size).num_batches
         if state.batches + self.remaining > full_epoch:
             warnings.warn(
@@ -169,21 +182,46 @@ class MapSchedule:
         """
         if self._pending is not None:
             return self._pending.to_dict()
-        requested = self._requested_epoch
-        if self.epoch is None or (requested is not None and requested > self.epoch):
-            state = LoaderState(requested or 0, 0, self.placement[1],
-                                fingerprint=self.fingerprint())
+        trainer = self._trainer_epoch
+        if self.epoch is None:
+            state = LoaderState(trainer or 0, 0, self.placement[1], trainer_epoch=trainer,
+                                fingerprint=self.fingerprint(), extra=self._order_state())
         else:
             assert self.plan is not None
             offset = 0 if self.last_batch == "rollover" else self.plan.start
             batches = max(self.batches - held, self._offset_batches)
             state = LoaderState(self.epoch, batches, self.placement[1], offset,
-                                self._offset_batches, fingerprint=self.fingerprint())
+                                self._offset_batches, self._owner, fingerprint=self.fingerprint(),
+                                extra=self._order_state())
         return state.to_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a cursor; the next ``begin_epoch`` continues exactly after its last batch."""
-        self._pending = LoaderState.from_dict(state_dict, self.fingerprint())
+        state = LoaderState.from_dict(state_dict, self.fingerprint())
+        self._check_cursor(state)
+        self._pending = state
+        load = getattr(self.order, "load_state_dict", None)
+        if load is not None and ORDER_STATE in self._pending.extra:
+            load(self._pending.extra[ORDER_STATE])
+
+    def _check_cursor(self, state: LoaderState) -> None:
+        """Refuse a cursor outside the plan it was counted in (a corrupted or edited state)."""
+        try:
+            plan = self.plan_for(state.epoch, state.world_size, state.offset_position)
+        except ValueError as exc:
+            raise ValueError(f"corrupted loader state: epoch {state.epoch} from position "
+                             f"{state.offset_position} on world size {state.world_size} has no "
+                             f"plan ({exc})") from exc
+        if state.batches - state.offset_batches > plan.num_batches:
+            raise ValueError(f"corrupted loader state: batches={state.batches} is past the end "
+                             f"of epoch {state.epoch}, which has "
+                             f"{state.offset_batches + plan.num_batches} batches on world size "
+                             f"{state.world_size}")
+
+    def _order_state(self) -> dict[str, Any]:
+        """The order's own state (a drawn sampler's, re-weighted weights), if it has one."""
+        save = getattr(self.order, "state_dict", None)
+        return {} if save is None else {ORDER_STATE: save()}
 
 
 def _batch_requests(plan: EpochPlan, epoch: int, batches: int, offset_batches: int, rank: int,
@@ -214,3 +252,21 @@ def resolve_last_batch(last_batch: str | None, drop_last: bool) -> LastBatch:
     if drop_last and last_batch != "drop":
         raise ValueError(f"drop_last=True contradicts last_batch={last_batch!r}; give one of them")
     return last_batch  # type: ignore[return-value]
+
+
+def trainer_moved_on(trainer_epoch: int | None, owner: int | None) -> bool:
+    """Whether the trainer's epoch (its last ``set_epoch``) is later than the one the current
+    epoch began under (``owner``): the trainer has then abandoned the current epoch."""
+    return trainer_epoch is not None and owner is not None and trainer_epoch > owner
+
+
+def following_epoch(current: int | None, trainer_epoch: int | None, owner: int | None) -> int:
+    """The epoch to start when the current one (``None``: none yet) is finished or abandoned:
+    the next one, or the trainer's epoch when the trainer has moved past it (a fresh loader
+    starts at the trainer's epoch, else at 0)."""
+    if current is None:
+        return trainer_epoch if trainer_epoch is not None else 0
+    if trainer_moved_on(trainer_epoch, owner):
+        assert trainer_epoch is not None
+        return max(current + 1, trainer_epoch)
+    return current + 1

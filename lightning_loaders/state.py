@@ -28,6 +28,8 @@ class LoaderState:
         offset_position: first epoch position of the current plan (non-zero after an elastic
             resume: the positions before it were consumed under another world size).
         offset_batches: batches delivered in ``epoch`` before that plan started.
+        trainer_epoch: the trainer's epoch (its last ``set_epoch``) when ``epoch`` began; a
+            later trainer epoch on restore means the trainer has moved on from this epoch.
         fingerprint: dataset length, seed, batch size, last-batch policy and order; must match.
         extra: component-specific state (for example a sampler's own ``state_dict``).
     """
@@ -37,6 +39,7 @@ class LoaderState:
     world_size: int
     offset_position: int = 0
     offset_batches: int = 0
+    trainer_epoch: int | None = None
     fingerprint: Mapping[str, Any] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -64,8 +67,18 @@ class LoaderState:
             value = state.get(name, 0)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"corrupted loader state: {name}={value!r} is not an int >= 0")
+        trainer_epoch = state.get("trainer_epoch")
+        if trainer_epoch is not None and (not isinstance(trainer_epoch, int) or trainer_epoch < 0):
+            raise ValueError(f"corrupted loader state: trainer_epoch={trainer_epoch!r} is not an "
+                             "int >= 0 or None")
         if state["world_size"] < 1:
             raise ValueError("corrupted loader state: world_size must be >= 1")
+        if state.get("offset_batches", 0) > state["batches"]:
+            raise ValueError(f"corrupted loader state: offset_batches={state['offset_batches']} "
+                             f"exceeds batches={state['batches']}")
+        for name in (FINGERPRINT, "extra"):
+            if not isinstance(state.get(name, {}), Mapping):
+                raise ValueError(f"corrupted loader state: {name}={state[name]!r} is not a dict")
         saved = dict(state.get(FINGERPRINT, {}))
         mismatches = [
             f"{key}: saved {saved.get(key)!r}, this loader {expected.get(key)!r}"

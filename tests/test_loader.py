@@ -3,13 +3,12 @@ import time
 import warnings
 
 import numpy as np
-import psutil
 import pytest
 import torch
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler, TensorDataset
 
 from lightning_loaders import ResumableLoader, WorkerInfo, sample_rng, worker_info
-from tests.conftest import IndexDataset
+from tests.conftest import IndexDataset, loader_processes
 from tests.resume_harness import check_resume_at_every_step, run_epochs, set_epoch, to_plain
 
 POLICIES = ["keep", "drop", "pad", "rollover"]
@@ -124,7 +123,7 @@ def test_iter_alone_starts_nothing_and_advances_nothing() -> None:
     loader = ResumableLoader(IndexDataset(10), batch_size=5, shuffle=True, num_workers=2)
     for _ in range(3):
         iter(loader)
-    assert psutil.Process().children() == []
+    assert loader_processes() == []
     assert loader.epoch is None
     first = indices(next(iter(loader)))
     assert loader.epoch == 0
@@ -307,9 +306,8 @@ def test_impossible_settings_fail_at_construction(kwargs, match) -> None:
 
 
 def test_drop_with_fewer_samples_than_a_global_batch_says_how_to_fix_it() -> None:
-    loader = ResumableLoader(IndexDataset(5), batch_size=4, drop_last=True, rank=0, world_size=2)
     with pytest.raises(ValueError, match="smaller batch_size"):
-        len(loader)
+        ResumableLoader(IndexDataset(5), batch_size=4, drop_last=True, rank=0, world_size=2)
 
 
 def test_errors_in_user_code_name_the_sample_and_keep_the_cause() -> None:

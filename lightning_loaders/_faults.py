@@ -1,0 +1,72 @@
+"""What a fetch sends to the main process instead of a plain batch when user code failed.
+
+``Failed`` carries an error raised in a worker (re-raised by the loader in the main process,
+with the worker's traceback as text and the original exception as its cause); ``Skipped``
+carries a batch fetched with ``on_error="skip"`` together with the samples left out of it. The
+loader unwraps both on delivery, so skip counts and the cursor move together.
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple, NoReturn
+
+from lightning_loaders.errors import SampleFetchError, WorkerInitError
+
+__all__ = ["ON_ERROR", "Failed", "OnError", "SkippedSample", "Skipped"]
+
+OnError = Literal["raise", "skip"]
+ON_ERROR: tuple[str, ...] = ("raise", "skip")
+
+
+@dataclass(frozen=True)
+class SkippedSample:
+    """A sample left out under ``on_error="skip"``.
+
+    Attributes:
+        epoch: the epoch of the batch it was planned in; batch: that batch's number.
+        position: its position in its epoch's order; index: its dataset index.
+        error: ``"TypeName: message"`` of what its fetch raised.
+    """
+
+    epoch: int
+    batch: int
+    position: int
+    index: int
+    error: str
+
+
+class Skipped(NamedTuple):
+    """A batch with samples skipped; ``empty`` when every sample failed (nothing to deliver)."""
+
+    batch: Any
+    skipped: tuple[SkippedSample, ...]
+    empty: bool = False
+
+
+class Failed:
+    """An error raised by user code in a worker, captured so it crosses the process boundary
+    with its attributes (torch's own wrapper keeps only the type and the text)."""
+
+    def __init__(self, error: SampleFetchError | WorkerInitError) -> None:
+        cause = error.__cause__
+        if cause is not None:
+            error.worker_traceback = "".join(traceback.format_exception(cause))
+            error.args = (f"{error.args[0]}\n\nOriginal traceback in worker {error.worker} (pid "
+                          f"{error.pid}):\n{error.worker_traceback}",)
+        self.error = error
+        self.cause = cause if _picklable(cause) else None
+
+    def reraise(self) -> NoReturn:
+        """Raise the error in the main process, chained to the original exception."""
+        raise self.error from self.cause
+
+
+def _picklable(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return False
+    return True

@@ -1,0 +1,126 @@
+"""What the loaders raise when user code or a worker process fails.
+
+Every error names where it happened (worker id and pid, rank, epoch, batch, sample), and keeps
+those as attributes, so a failure inside a worker process reads like one in the main process.
+They survive pickling (a worker sends them to the main process) with their attributes.
+"""
+
+from __future__ import annotations
+
+import signal
+
+__all__ = [
+    "SampleFetchError",
+    "WorkerCrashedError",
+    "WorkerInitError",
+    "WorkerTimeoutError",
+    "describe_exit",
+    "signal_name",
+]
+
+
+class SampleFetchError(RuntimeError):
+    """User code (``__getitem__``, ``__getitems__``, a transform or ``collate_fn``) raised.
+
+    The message names the sample and where it was fetched; the original exception is the
+    ``__cause__`` (in a worker process: its unpickled copy, with the worker's traceback as text
+    in the message and in ``worker_traceback``).
+
+    Attributes:
+        index: the dataset index being fetched (``None`` for a failure of the whole batch:
+            ``collate_fn`` or ``__getitems__``).
+        position: the sample's position in its epoch's order (``None`` with ``index``).
+        epoch, batch, rank: the batch of the plan being fetched and the rank fetching it.
+        worker: the worker id, or ``None`` in the main process.
+        pid: the process that ran the user code.
+        cause_type: the original exception's type name (kept even when it cannot be pickled).
+        worker_traceback: the original traceback formatted in the worker (``None`` in the main
+            process, where the chained ``__cause__`` carries the live traceback).
+    """
+
+    def __init__(self, message: str, *, index: int | None = None, position: int | None = None,
+                 epoch: int | None = None, batch: int | None = None, rank: int | None = None,
+                 worker: int | None = None, pid: int | None = None, cause_type: str = "",
+                 worker_traceback: str | None = None) -> None:
+        super().__init__(message)
+        self.index, self.position = index, position
+        self.epoch, self.batch, self.rank = epoch, batch, rank
+        self.worker, self.pid = worker, pid
+        self.cause_type = cause_type
+        self.worker_traceback = worker_traceback
+
+
+class WorkerInitError(RuntimeError):
+    """``worker_init_fn`` raised in a worker process; the cause is the original exception.
+
+    Attributes: ``worker``, ``pid``, ``rank``, ``cause_type``, ``worker_traceback`` (as in
+    ``SampleFetchError``).
+    """
+
+    def __init__(self, message: str, *, worker: int | None = None, pid: int | None = None,
+                 rank: int | None = None, cause_type: str = "",
+                 worker_traceback: str | None = None) -> None:
+        super().__init__(message)
+        self.worker, self.pid, self.rank = worker, pid, rank
+        self.cause_type = cause_type
+        self.worker_traceback = worker_traceback
+
+
+class WorkerCrashedError(RuntimeError):
+    """A worker process died (killed by a signal, or exited) and was not, or no longer,
+    recovered.
+
+    Attributes:
+        worker: the id of the worker that died; pid: its process id.
+        exitcode: its exit code (``-N`` when killed by signal ``N``).
+        signal: the signal's name (``"SIGKILL"``), or ``None`` when it exited by itself.
+        epoch, batch, rank: where the loader was (``batch`` = the next batch due).
+        restarts: worker restarts already made in this epoch.
+    """
+
+    def __init__(self, message: str, *, worker: int | None = None, pid: int | None = None,
+                 exitcode: int | None = None, epoch: int | None = None,
+                 batch: int | None = None, rank: int | None = None, restarts: int = 0) -> None:
+        super().__init__(message)
+        self.worker, self.pid, self.exitcode = worker, pid, exitcode
+        self.signal = signal_name(exitcode)
+        self.epoch, self.batch, self.rank = epoch, batch, rank
+        self.restarts = restarts
+
+
+class WorkerTimeoutError(RuntimeError):
+    """No batch arrived within ``timeout`` seconds; names the worker whose batch is due.
+
+    Attributes: ``worker``, ``pid``, ``timeout``, ``epoch``, ``batch`` (the batch waited for),
+    ``rank``.
+    """
+
+    def __init__(self, message: str, *, worker: int | None = None, pid: int | None = None,
+                 timeout: float = 0.0, epoch: int | None = None, batch: int | None = None,
+                 rank: int | None = None) -> None:
+        super().__init__(message)
+        self.worker, self.pid, self.timeout = worker, pid, timeout
+        self.epoch, self.batch, self.rank = epoch, batch, rank
+
+
+def signal_name(exitcode: int | None) -> str | None:
+    """``"SIGKILL"`` for exit code ``-9``; ``None`` for a process that exited by itself."""
+    if exitcode is None or exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """How a process ended, in words (with the usual reason for the common signals)."""
+    name = signal_name(exitcode)
+    if name is None:
+        return "is still running" if exitcode is None else f"exited with code {exitcode}"
+    reason = {
+        "SIGKILL": " (often the kernel's out-of-memory killer)",
+        "SIGSEGV": " (a crash in native code)",
+        "SIGBUS": " (often a full /dev/shm: raise its size, e.g. docker --shm-size)",
+    }.get(name, "")
+    return f"was killed by {name}{reason}"
