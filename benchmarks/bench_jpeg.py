@@ -1,0 +1,77 @@
+"""Workload 3: JPEG decoding from files (generated 256 x 256 RGB images), batch 32, 2 workers."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from benchmarks.common import (
+    Plot,
+    Report,
+    Settings,
+    compare_throughput,
+    throughput_columns,
+    throughput_note,
+    throughput_series,
+)
+
+__all__ = ["JpegFiles", "run", "write_jpegs"]
+
+BATCH_SIZE = 32
+SIDE = 256
+
+
+def write_jpegs(directory: Path, count: int) -> list[str]:
+    """``count`` smooth-with-noise RGB JPEGs (quality 90); their paths."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    ramp = np.linspace(0, 255, SIDE, dtype=np.float32)
+    paths = []
+    for i in range(count):
+        base = (ramp[None, :, None] * rng.uniform(0.2, 1.0, 3) + ramp[:, None, None] * 0.3)
+        pixels = np.clip(base + rng.normal(0, 12, (SIDE, SIDE, 3)), 0, 255).astype(np.uint8)
+        path = directory / f"{i:06d}.jpg"
+        Image.fromarray(pixels).save(path, quality=90)
+        paths.append(str(path))
+    return paths
+
+
+class JpegFiles(Dataset[torch.Tensor]):
+    """Decodes file ``i`` with Pillow into a CHW uint8 tensor."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        from PIL import Image
+
+        with Image.open(self.paths[index]) as image:
+            pixels = np.array(image.convert("RGB"))
+        return torch.from_numpy(pixels).permute(2, 0, 1)
+
+
+def run(settings: Settings) -> Report:
+    count = settings.pick(256, 1024)
+    batches = settings.pick(5, 12)
+    with tempfile.TemporaryDirectory(prefix="ll-bench-jpeg-") as directory:
+        dataset = JpegFiles(write_jpegs(Path(directory), count))
+        configs = {"num_workers=2": {"batch_size": BATCH_SIZE, "shuffle": True,
+                                     "num_workers": 2}}
+        rows = compare_throughput(dataset, configs, batches, settings, "jpeg")
+    return Report(
+        name="jpeg",
+        title=f"3. JPEG decoding from {count:,} files ({SIDE}x{SIDE} RGB, Pillow), batch "
+              f"{BATCH_SIZE}: samples/s",
+        columns=throughput_columns(),
+        rows=rows,
+        notes=(throughput_note(batches, settings),),
+        plot=Plot("config", throughput_series(), "samples/s"),
+    )
