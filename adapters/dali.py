@@ -1,0 +1,733 @@
+"""``DALILoader``: a DALI pipeline as a distributed, exactly resumable Lightning loader.
+
+The user writes the pipeline (a ``@pipeline_def`` function or a factory); the loader builds it
+lazily with the right ``device_id``, shard and seed, owns the epoch like the core loader does
+(``MapSchedule``), counts batches on delivery and saves a cursor that resumes exactly. Two modes,
+chosen by what is given:
+
+* **reader mode** (``reader_name=``): a DALI reader shards and reads the data itself. The loader
+  requires ``pad_last_batch=True`` (equal batch counts on every rank), maps ``last_batch`` onto
+  DALI's ``LastBatchPolicy`` and resumes mid-epoch through DALI checkpoints, gathered from every
+  rank into the state rank 0 saves. Resuming on another world size is refused.
+* **external-source mode** (``dataset=``): the global plan of the core decides which sample
+  every rank reads in every batch (any ``shuffle``/``sampler``, elastic resume); DALI pulls the
+  samples through a per-sample ``fn.external_source`` callback. Resume rebuilds the pipeline at
+  ``(epoch, batch)``; with the same world size the saved DALI checkpoint also restores the state
+  of random operators, so even augmentations continue exactly.
+
+``nvidia-dali`` is an optional extra: it is imported when a loader is created.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import gc
+import inspect
+import math
+import os
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from itertools import repeat
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lightning_loaders._fetch import SampleFetchError
+from lightning_loaders._hashing import seed32
+from lightning_loaders.context import SampleContext, _set_sample
+from lightning_loaders.distributed import resolve_device, resolve_rank_world
+from lightning_loaders.loader import _resolve_seed
+from lightning_loaders.order import SampleOrder, SequentialOrder, ShuffledOrder
+from lightning_loaders.plan import LastBatch
+from lightning_loaders.samplers import order_from_sampler
+from lightning_loaders.schedule import MapSchedule
+
+__all__ = ["INSTALL_HINT", "DALILoader", "FileSamples"]
+
+INSTALL_HINT = ("DALILoader needs NVIDIA DALI: pip install 'lightning-loaders[dali]' (or the "
+                "nvidia-dali-cuda120 / nvidia-dali-cuda110 wheel that matches your CUDA)")
+EXTRA_KEY = "dali"
+_POLICIES = ("keep", "drop", "pad")
+_DALI_POLICY = {"keep": "PARTIAL", "drop": "DROP", "pad": "FILL"}
+
+
+def _import_dali() -> tuple[Any, Any]:
+    """``(nvidia.dali.Pipeline, nvidia.dali.plugin.pytorch)``, or an ImportError with the hint."""
+    try:
+        from nvidia.dali import Pipeline
+        from nvidia.dali.plugin import pytorch as dali_torch
+    except ImportError as exc:
+        raise ImportError(INSTALL_HINT) from exc
+    return Pipeline, dali_torch
+
+
+class FileSamples:
+    """Files as samples for external-source mode: ``(encoded bytes as uint8, label as int64)``.
+
+    Feed the bytes to a DALI decoder (``fn.decoders.image``); labels default to the file index.
+    """
+
+    def __init__(self, paths: Sequence[str | Path], labels: Sequence[int] | None = None) -> None:
+        if labels is not None and len(labels) != len(paths):
+            raise ValueError(f"got {len(paths)} paths but {len(labels)} labels")
+        self.paths = [str(p) for p in paths]
+        self.labels = list(range(len(paths))) if labels is None else [int(x) for x in labels]
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        data = np.fromfile(self.paths[index], dtype=np.uint8)
+        return data, np.array(self.labels[index], dtype=np.int64)
+
+
+class DALILoader:
+    """Runs a user's DALI pipeline as a deterministic, distributed, resumable loader.
+
+    Args:
+        pipeline: a ``@pipeline_def`` function, or a factory taking the ``Pipeline`` constructor's
+            keywords it declares (``batch_size``, ``num_threads``, ``device_id``, ``seed``,
+            ``enable_checkpointing``, ``checkpoint``, ``py_num_workers``, ``py_start_method``,
+            ...) and returning a ``Pipeline``. Besides, it receives whichever of these it
+            declares: ``shard_id`` and ``num_shards`` (this rank and the world size: give them
+            to the reader), ``device`` (``"gpu"`` when the pipeline runs on a GPU, else
+            ``"cpu"``: pick ``"mixed"``/``"gpu"`` operators from it) and, in external-source
+            mode, ``source``: the per-sample callback to use as
+            ``fn.external_source(source=source, batch=False, parallel=True, ...)``.
+        output_map: names of the pipeline's outputs, in order.
+        batch_size: samples per batch on each rank (the pipeline's ``batch_size``).
+        reader_name: reader mode: the ``name`` of the pipeline's reader, which must shard with
+            ``shard_id``/``num_shards`` and pad with ``pad_last_batch=True``.
+        dataset: external-source mode: a map-style dataset whose items are what the source
+            callback returns to DALI (numpy arrays, or a tuple of them; see ``FileSamples``).
+        shuffle, sampler: external-source mode only: the sample order (as ``ResumableLoader``).
+        last_batch: ``"keep"`` (default: a short last batch, no duplicates), ``"drop"`` or
+            ``"pad"``. In reader mode these are DALI's ``PARTIAL``, ``DROP`` and ``FILL``
+            (DALI pads by repeating a shard's last sample).
+        seed: keys the order and the pipeline seeds; defaults to ``$PL_GLOBAL_SEED``, else 0.
+        trainer: the Lightning trainer (``self.trainer`` in ``train_dataloader``): the device is
+            its ``strategy.root_device``.
+        device: an explicit device instead; by default the trainer's, else ``cuda:LOCAL_RANK``
+            when CUDA is available, else the CPU.
+        rank, world_size: explicit placement; by default the process group's.
+        num_threads: DALI CPU threads; ``py_num_workers``: processes running the source
+            callback; ``py_start_method``: ``"fork"`` on CPU, ``"spawn"`` on GPU by default (a
+            forked process cannot use CUDA once the parent has).
+        batch_format: ``"dict"`` (``{name: tensor}``) or ``"tuple"`` (in ``output_map`` order).
+        pipeline_kwargs: further ``Pipeline`` keywords (``prefetch_queue_depth``, ...).
+
+    ``iter()`` is cheap; the pipeline is built at the first ``next()`` (in reader mode also by
+    ``len()`` or ``state_dict()``, which need the reader's size). Under DDP, ``state_dict()``
+    gathers every rank's DALI checkpoint, so every rank must call it together, as Lightning
+    does. In external-source mode with ``py_start_method="spawn"`` the dataset must pickle.
+    """
+
+    def __init__(
+        self,
+        pipeline: Callable[..., Any],
+        output_map: Sequence[str],
+        *,
+        batch_size: int,
+        reader_name: str | None = None,
+        dataset: Any = None,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        last_batch: LastBatch = "keep",
+        seed: int | None = None,
+        trainer: Any = None,
+        device: torch.device | str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        num_threads: int = 2,
+        py_num_workers: int = 1,
+        py_start_method: Literal["fork", "spawn"] | None = None,
+        batch_format: Literal["dict", "tuple"] = "dict",
+        pipeline_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        _import_dali()
+        if (reader_name is None) == (dataset is None):
+            raise ValueError("give exactly one of reader_name= (reader mode) and dataset= "
+                             f"(external-source mode); got reader_name={reader_name!r} and "
+                             f"dataset={type(dataset).__name__}")
+        if reader_name is not None and (shuffle is not None or sampler is not None):
+            raise ValueError("shuffle and sampler apply to external-source mode; in reader mode "
+                             "the reader shuffles (its random_shuffle argument)")
+        if sampler is not None and shuffle:
+            raise ValueError("shuffle=True cannot be combined with a sampler")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if last_batch not in _POLICIES:
+            raise ValueError(f"last_batch must be one of {_POLICIES}, got {last_batch!r}")
+        if batch_format not in ("dict", "tuple"):
+            raise ValueError(f"batch_format must be 'dict' or 'tuple', got {batch_format!r}")
+        if not output_map or len(set(output_map)) != len(output_map):
+            raise ValueError(f"output_map needs distinct output names, got {list(output_map)}")
+        if num_threads < 1 or py_num_workers < 0:
+            raise ValueError(f"need num_threads >= 1 and py_num_workers >= 0, got {num_threads} "
+                             f"and {py_num_workers}")
+        self.pipeline = pipeline
+        self.output_map = list(output_map)
+        self.batch_size = batch_size
+        self.reader_name = reader_name
+        self.dataset = dataset
+        self.last_batch: LastBatch = last_batch
+        self.drop_last = last_batch == "drop"
+        self.seed = _resolve_seed(seed, None)
+        self.trainer = trainer
+        self.device = device
+        self.num_threads = num_threads
+        self.num_workers = py_num_workers
+        self.py_start_method = py_start_method
+        self.batch_format = batch_format
+        self.pipeline_kwargs = dict(pipeline_kwargs or {})
+        self._explicit_placement = (rank, world_size)
+        self._schedule: MapSchedule | None = None
+        if dataset is not None:
+            if not hasattr(dataset, "__len__") or len(dataset) < 1:
+                raise ValueError("dataset must be a non-empty map-style dataset (with __len__ "
+                                 "and __getitem__)")
+            self._schedule = self._make_schedule(self._order(sampler, bool(shuffle),
+                                                             len(dataset)))
+        self._pending_state: dict[str, Any] | None = None  # reader mode, before the schedule
+        self._pending_epoch: int | None = None
+        self._restore: _Restore | None = None
+        self._engine = _EngineBox()
+        self._finalizer = weakref.finalize(self, self._engine.close)
+        self._iter_token = 0
+        self.sampler = _EpochSampler(weakref.ref(self))
+
+    # -- the DataLoader surface -------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        """A new iterator. Cheap: the epoch and the pipeline start at its first ``next()``."""
+        self._iter_token += 1
+        return _DaliIterator(self, self._iter_token)
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (equal on every rank)."""
+        return len(self.schedule)
+
+    def __repr__(self) -> str:
+        mode = f"reader {self.reader_name!r}" if self.reader_name else "external source"
+        rank, world_size = resolve_rank_world(*self._explicit_placement)
+        epoch = self._schedule.epoch if self._schedule is not None else None
+        return (f"{type(self).__name__}({mode}, batch_size={self.batch_size}, last_batch="
+                f"{self.last_batch!r}, rank={rank}/{world_size}, seed={self.seed}, epoch="
+                f"{'not started' if epoch is None else epoch})")
+
+    @property
+    def schedule(self) -> MapSchedule:
+        """The plan and cursor (in reader mode, sizing it builds the pipeline)."""
+        if self._schedule is None:
+            engine = self._build(self._placement(), None, None)
+            schedule = self._make_schedule(SequentialOrder(engine.reader_meta["epoch_size"]))
+            try:
+                self._check_reader(engine, schedule)
+            except Exception:
+                engine.close()
+                raise
+            self._schedule, self._engine.engine = schedule, engine
+            if self._pending_state is not None:
+                self._schedule.load_state_dict(self._pending_state)
+            if self._pending_epoch is not None:
+                self._schedule.set_epoch(self._pending_epoch)
+            self._pending_state = self._pending_epoch = None
+        return self._schedule
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch being delivered (``None`` before the first batch)."""
+        return None if self._schedule is None else self._schedule.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Record the trainer's epoch; it takes effect at the next epoch start (a restored
+        cursor wins over a stale epoch, a later one abandons the unfinished epoch: see
+        ``MapSchedule``). Abandoning an epoch reads its tail past in reader mode (DALI cannot
+        seek) and rebuilds the pipeline in external-source mode."""
+        if self._schedule is None:
+            if epoch < 0:
+                raise ValueError(f"epoch must be >= 0, got {epoch}")
+            self._pending_epoch = epoch
+        else:
+            self._schedule.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor plus, per rank, the DALI checkpoint of the pipeline (gathered under DDP)."""
+        if self._schedule is None and self._pending_state is not None:
+            return dict(self._pending_state)
+        state = self.schedule.state_dict()
+        if self._restore is None:
+            rank, world_size = self.schedule.placement
+            engine = self._engine.engine
+            entries = _gather(engine.entry() if engine else None, rank, world_size)
+            state["extra"] = {**state.get("extra", {}), EXTRA_KEY: entries}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a cursor; the next ``iter()`` continues exactly after its last batch."""
+        entries = dict(state_dict.get("extra") or {}).get(EXTRA_KEY)
+        if self._schedule is None:
+            self._pending_state = dict(state_dict)
+        else:
+            self._schedule.load_state_dict(state_dict)
+        self._restore = _Restore(int(state_dict["world_size"]), entries)
+
+    def close(self) -> None:
+        """Shut the pipeline (and its source worker processes) down now; it is rebuilt on
+        demand. Dropping the loader does the same."""
+        self._engine.close()
+
+    # -- epochs -----------------------------------------------------------------------------
+
+    def _begin_epoch(self) -> Iterator[Any]:
+        """Decide which epoch and batch come next, bring the pipeline there, deliver."""
+        schedule = self.schedule
+        restore, self._restore = self._restore, None
+        world_size = schedule.placement[1]
+        if self.reader_name and restore is not None and restore.world_size != world_size:
+            raise ValueError(
+                f"reader mode cannot resume on another world size: saved {restore.world_size}, "
+                f"now {world_size}. DALI checkpoints are per shard; use external-source mode "
+                "(dataset=...) for elastic resume"
+            )
+        schedule.begin_epoch()
+        engine = self._seek(schedule, restore)
+        return self._deliver(engine, schedule)
+
+    def _seek(self, schedule: MapSchedule, restore: _Restore | None) -> _Engine:
+        """A pipeline whose next batch is the schedule's next one."""
+        assert schedule.epoch is not None
+        target = (schedule.epoch, schedule.batches)
+        placement = self._placement(fixed=schedule.placement)
+        entry = restore.entry(placement) if restore is not None else None
+        engine = self._engine.engine
+        if engine is not None and engine.placement != placement:
+            self._engine.close()
+            engine = None
+        if self.reader_name is None:
+            if engine is None or engine.at != target:
+                self._engine.close()
+                usable = entry if entry is not None and entry.at == target else None
+                engine = self._build(placement, schedule, usable)
+        else:
+            if entry is not None and entry.at > target:
+                entry = None
+            if engine is None or engine.at > target or (entry is not None
+                                                        and entry.at > engine.at):
+                self._engine.close()
+                engine = self._build(placement, schedule, entry)
+            self._drain(engine, target, len(schedule))
+        self._engine.engine = engine
+        return engine
+
+    def _drain(self, engine: _Engine, target: tuple[int, int], epoch_len: int) -> None:
+        """Reader mode: read and discard batches up to ``target`` (DALI cannot seek)."""
+        while engine.at < target:
+            engine.next()
+            engine.advance(last=engine.at[1] + 1 == epoch_len)
+
+    def _deliver(self, engine: _Engine, schedule: MapSchedule) -> Iterator[Any]:
+        sizes: Iterator[int | None]
+        if self.reader_name is None:
+            sizes = _batch_sizes(schedule)
+        else:
+            sizes = repeat(None, schedule.remaining)
+        as_tuple = self.batch_format == "tuple"
+        names = self.output_map
+        for size in sizes:
+            if engine.order_version != schedule.order_version:
+                engine = self._rebuild_at_cursor(schedule)
+            batch = engine.next()
+            engine.advance(last=schedule.remaining == 1)
+            if size is not None and size < self.batch_size:
+                batch = {name: batch[name][:size] for name in names}
+            yield tuple(batch[name] for name in names) if as_tuple else batch
+
+    def _rebuild_at_cursor(self, schedule: MapSchedule) -> _Engine:
+        """External-source mode: the order changed mid-epoch (a re-weighted sampler), so the
+        batches DALI prefetched are stale; start again at the cursor with the new order."""
+        self._engine.close()
+        engine = self._build(self._placement(fixed=schedule.placement), schedule, None)
+        self._engine.engine = engine
+        return engine
+
+    # -- building ---------------------------------------------------------------------------
+
+    def _placement(self, fixed: tuple[int, int] | None = None) -> _Placement:
+        rank, world_size = fixed or resolve_rank_world(*self._explicit_placement)
+        device = resolve_device(self.trainer, self.device)
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            return _Placement(rank, world_size, index)
+        if device.type != "cpu":
+            raise ValueError(f"DALI runs on CPU or CUDA devices, got device {device}")
+        return _Placement(rank, world_size, None)
+
+    def _build(self, placement: _Placement, schedule: MapSchedule | None,
+               entry: _Entry | None) -> _Engine:
+        """Build the user's pipeline for ``placement``, fresh or from a checkpoint ``entry``."""
+        _, dali_torch = _import_dali()
+        context: dict[str, Any] = {"shard_id": placement.rank,
+                                   "num_shards": placement.world_size,
+                                   "device": "cpu" if placement.device_id is None else "gpu"}
+        if self.reader_name is None:
+            assert schedule is not None and schedule.epoch is not None
+            at = (schedule.epoch, schedule.batches)
+            seed = entry.seed if entry else seed32(self.seed, placement.rank, *at) >> 1
+            context["source"] = _PlannedSource(self.dataset, schedule,
+                                               entry.iteration if entry else 0)
+        else:
+            at = (0, 0)
+            seed = seed32(self.seed, placement.rank) >> 1
+        start = self.py_start_method or ("fork" if placement.device_id is None else "spawn")
+        kwargs = {"batch_size": self.batch_size, "num_threads": self.num_threads,
+                  "device_id": placement.device_id, "seed": seed, "enable_checkpointing": True,
+                  "py_num_workers": self.num_workers, "py_start_method": start,
+                  **self.pipeline_kwargs}
+        if entry is not None:
+            kwargs["checkpoint"] = entry.checkpoint
+            at = entry.at
+        pipe = _call_pipeline(self.pipeline, kwargs, context)
+        _check_pipeline(pipe, self.batch_size)
+        policy: dict[str, Any] = {}
+        meta: dict[str, Any] = {}
+        try:
+            with _frozen_heap():  # building forks the source's worker processes
+                pipe.build()
+            if self.reader_name is not None:
+                meta = self._reader_meta(pipe, placement)
+                policy = {"reader_name": self.reader_name,
+                          "last_batch_policy": getattr(dali_torch.LastBatchPolicy,
+                                                       _DALI_POLICY[self.last_batch])}
+            iterator = dali_torch.DALIGenericIterator(pipe, self.output_map, auto_reset=False,
+                                                      prepare_first_batch=False, **policy)
+        except Exception:
+            _shutdown(pipe)
+            raise
+        engine = _Engine(pipe, iterator, placement, at, entry.iteration if entry else 0, seed,
+                         reader=self.reader_name is not None)
+        engine.reader_meta = meta
+        if schedule is not None:
+            engine.order_version = schedule.order_version
+        if self.reader_name is not None and self._schedule is not None:
+            try:
+                self._check_reader(engine, self._schedule)
+            except Exception:
+                engine.close()
+                raise
+        return engine
+
+    def _reader_meta(self, pipe: Any, placement: _Placement) -> dict[str, Any]:
+        try:
+            meta = dict(pipe.reader_meta(self.reader_name))
+        except Exception as exc:
+            raise ValueError(f"the pipeline has no reader named {self.reader_name!r}: give the "
+                             f"reader name={self.reader_name!r}") from exc
+        if not meta.get("pad_last_batch"):
+            raise ValueError(f"reader {self.reader_name!r} needs pad_last_batch=True: without it "
+                             "ranks get different batch counts and epochs bleed into each other")
+        shard = (meta["shard_id"], meta["number_of_shards"])
+        if shard != (placement.rank, placement.world_size):
+            raise ValueError(f"reader {self.reader_name!r} has shard_id={shard[0]}, num_shards="
+                             f"{shard[1]} but this is rank {placement.rank} of "
+                             f"{placement.world_size}: pass the shard_id and num_shards the "
+                             "loader gives the pipeline function to the reader")
+        return meta
+
+    def _check_reader(self, engine: _Engine, schedule: MapSchedule) -> None:
+        """Reader mode: DALI's batch count must be the plan's, and no rank's batch empty."""
+        n, shards = engine.reader_meta["epoch_size"], engine.reader_meta["number_of_shards"]
+        planned = len(schedule)
+        if len(engine.iterator) != planned:
+            raise RuntimeError(f"DALI's iterator has {len(engine.iterator)} batches per epoch, "
+                               f"the plan {planned} ({n} samples, {shards} shards, batch_size "
+                               f"{self.batch_size}, last_batch={self.last_batch!r})")
+        if self.last_batch == "keep":
+            sizes = [(i + 1) * n // shards - i * n // shards for i in range(shards)]
+            short = [s for s in sizes if math.ceil(s / self.batch_size) < planned]
+            if short:
+                raise ValueError(
+                    f"last_batch='keep' in reader mode would give a shard of {short[0]} samples "
+                    f"an empty batch {planned} ({n} samples over {shards} shards, batch_size "
+                    f"{self.batch_size}): use last_batch='pad' or 'drop', another batch_size, "
+                    "or external-source mode (which balances the last batch over ranks)"
+                )
+
+    def _make_schedule(self, order: SampleOrder) -> MapSchedule:
+        mode = f"reader:{self.reader_name}" if self.reader_name else "external_source"
+        return _DaliSchedule(order, self.batch_size, self.last_batch, self.seed,
+                             *self._explicit_placement, mode=mode)
+
+    def _order(self, sampler: Any, shuffle: bool, n: int) -> SampleOrder:
+        if sampler is not None:
+            return order_from_sampler(sampler, n, self.seed)
+        return ShuffledOrder(n, self.seed) if shuffle else SequentialOrder(n)
+
+
+class _DaliIterator:
+    """Counts a batch when it is handed to the caller, never when DALI prefetches it."""
+
+    def __init__(self, loader: DALILoader, token: int) -> None:
+        self._loader = loader
+        self._token = token
+        self._batches: Iterator[Any] | None = None
+
+    def __iter__(self) -> _DaliIterator:
+        return self
+
+    def __next__(self) -> Any:
+        loader = self._loader
+        if loader._iter_token != self._token:
+            raise RuntimeError("this iterator was replaced by a newer iter() on its loader")
+        if self._batches is None:
+            self._batches = loader._begin_epoch()
+        batch = next(self._batches)
+        loader.schedule.delivered()
+        return batch
+
+
+class _DaliSchedule(MapSchedule):
+    """``MapSchedule`` whose fingerprint also names the DALI mode (and reader)."""
+
+    def __init__(self, *args: Any, mode: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.mode = mode
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {**super().fingerprint(), "dali": self.mode}
+
+
+class _Placement(NamedTuple):
+    """Where a pipeline was built for: rank, world size and CUDA device (``None``: CPU)."""
+
+    rank: int
+    world_size: int
+    device_id: int | None
+
+
+class _Entry:
+    """One rank's saved pipeline: DALI checkpoint, the cursor it stands at, iteration, seed."""
+
+    def __init__(self, raw: Mapping[str, Any]) -> None:
+        self.checkpoint: str = raw["checkpoint"]
+        self.at: tuple[int, int] = (int(raw["epoch"]), int(raw["batches"]))
+        self.iteration = int(raw["iteration"])
+        self.seed = int(raw["seed"])
+
+
+class _Restore:
+    """What ``load_state_dict`` brought for the pipeline: the saved world size and entries."""
+
+    def __init__(self, world_size: int, entries: Sequence[Mapping[str, Any] | None] | None):
+        self.world_size = world_size
+        self.entries = list(entries or [])
+
+    def entry(self, placement: _Placement) -> _Entry | None:
+        if placement.world_size != self.world_size or len(self.entries) != self.world_size:
+            return None
+        raw = self.entries[placement.rank]
+        return None if raw is None else _Entry(raw)
+
+
+class _Engine:
+    """A built pipeline and its DALI iterator; ``at`` is the cursor of the next batch."""
+
+    def __init__(self, pipe: Any, iterator: Any, placement: _Placement, at: tuple[int, int],
+                 iteration: int, seed: int, reader: bool) -> None:
+        self.pipe, self.iterator, self.placement = pipe, iterator, placement
+        self.at, self.iteration, self.seed, self.reader = at, iteration, seed, reader
+        self.reader_meta: dict[str, Any] = {}
+        self.order_version = 0
+        self._pid = os.getpid()
+
+    def next(self) -> dict[str, torch.Tensor]:
+        batch: dict[str, torch.Tensor] = next(self.iterator)[0]
+        self.iteration += 1
+        return batch
+
+    def advance(self, last: bool) -> None:
+        """Move ``at`` past the batch just read; at an epoch's end, reset DALI's reader now, so
+        a checkpoint taken on the last batch already stands at the next epoch's start."""
+        epoch, batches = self.at
+        if not last:
+            self.at = (epoch, batches + 1)
+            return
+        self.at = (epoch + 1, 0)
+        if self.reader:
+            self.iterator.reset()
+
+    def entry(self) -> dict[str, Any]:
+        return {"checkpoint": self.iterator.checkpoints()[0], "epoch": self.at[0],
+                "batches": self.at[1], "iteration": self.iteration, "seed": self.seed}
+
+    def close(self) -> None:
+        if os.getpid() != self._pid:
+            return  # a forked process's copy: the pipeline belongs to the parent
+        _shutdown(self.pipe)
+        self.iterator = self.pipe = None
+
+
+class _EngineBox:
+    """Holds the loader's engine so a finalizer can shut it down without holding the loader."""
+
+    def __init__(self) -> None:
+        self.engine: _Engine | None = None
+
+    def close(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.close()
+
+
+class _EpochSampler:
+    """What Lightning sees as ``loader.sampler``: forwards ``set_epoch`` (weakly, so a dropped
+    loader and its pipeline go at once)."""
+
+    def __init__(self, loader: weakref.ref[DALILoader]) -> None:
+        self._loader = loader
+
+    def set_epoch(self, epoch: int) -> None:
+        loader = self._loader()
+        if loader is not None:
+            loader.set_epoch(epoch)
+
+
+class _PlannedSource:
+    """The per-sample ``external_source`` callback: DALI's iteration -> our plan's sample.
+
+    Iteration ``first_iteration`` is the schedule's cursor when the pipeline was built; later
+    iterations walk on through the rest of that epoch and then through whole epochs. A batch
+    shorter than ``batch_size`` (the last, under ``keep``) is padded with its last sample and
+    trimmed by the loader. It holds no mutable state the loader shares: it runs in worker
+    processes, and it must give the same sample for the same iteration whenever it is asked.
+    """
+
+    def __init__(self, dataset: Any, schedule: MapSchedule, first_iteration: int) -> None:
+        assert schedule.plan is not None and schedule.epoch is not None
+        self.dataset = dataset
+        self.schedule = copy.copy(schedule)
+        self.rank, self.world_size = schedule.placement
+        self.first_iteration = first_iteration
+        self.epoch = schedule.epoch
+        self.plan = schedule.plan
+        self.first_batch = schedule.plan.num_batches - schedule.remaining
+        self.batch_offset = schedule.batches - self.first_batch
+        self.epoch_len = schedule.plan_for(schedule.epoch + 1, self.world_size).num_batches
+        self._last: tuple[int, int, int, np.ndarray, np.ndarray] | None = None
+
+    def __call__(self, info: Any) -> Any:
+        slot = getattr(info, "idx_in_batch", None)
+        if slot is None:
+            raise TypeError("DALILoader's source gives one sample per call: use "
+                            "fn.external_source(source=source, batch=False, parallel=True)")
+        epoch, batch, positions, indices = self._request(info.iteration - self.first_iteration)
+        k = min(slot, len(indices) - 1)
+        index, position = int(indices[k]), int(positions[k])
+        _set_sample(SampleContext(self.schedule.seed, epoch, position, index, self.rank))
+        try:
+            return self.dataset[index]
+        except Exception as exc:
+            raise SampleFetchError(
+                f"{type(exc).__name__} in sample index {index} (epoch position {position}, "
+                f"batch {batch}) of epoch {epoch}, in DALI's external source on rank "
+                f"{self.rank}: {exc}"
+            ) from exc
+        finally:
+            _set_sample(None)
+
+    def _request(self, step: int) -> tuple[int, int, np.ndarray, np.ndarray]:
+        """``(epoch, batch, positions, indices)`` of the ``step``-th batch from the cursor."""
+        last = self._last
+        if last is not None and last[0] == step:
+            return last[1], last[2], last[3], last[4]
+        rest = self.plan.num_batches - self.first_batch
+        if step < rest:
+            epoch, plan, plan_batch = self.epoch, self.plan, self.first_batch + step
+            batch = self.batch_offset + plan_batch
+        else:
+            ahead, plan_batch = divmod(step - rest, self.epoch_len)
+            epoch = self.epoch + 1 + ahead
+            plan, batch = self.schedule.plan_for(epoch, self.world_size), plan_batch
+        positions = plan.positions(plan_batch, self.rank)
+        indices = self.schedule.order.indices(epoch, positions)
+        self._last = (step, epoch, batch, positions, indices)
+        return epoch, batch, positions, indices
+
+
+def _batch_sizes(schedule: MapSchedule) -> Iterator[int]:
+    """This rank's sizes of the current epoch's remaining batches (the plan's, no indices:
+    only the trim of a short batch needs them)."""
+    plan, rank = schedule.plan, schedule.placement[0]
+    assert plan is not None
+    for batch in range(plan.num_batches - schedule.remaining, plan.num_batches):
+        yield len(plan.positions(batch, rank))
+
+
+def _call_pipeline(pipeline: Callable[..., Any], kwargs: dict[str, Any],
+                   context: dict[str, Any]) -> Any:
+    """Call a ``@pipeline_def`` function (all ``Pipeline`` keywords, the context keywords it
+    declares) or a factory (the keywords it declares)."""
+    params = inspect.signature(pipeline).parameters
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    target = pipeline.func if isinstance(pipeline, functools.partial) else pipeline
+    declared = {k: v for k, v in context.items() if takes_all or k in params}
+    if getattr(target, "_is_pipeline_def", False):
+        return pipeline(**kwargs, **declared)
+    return pipeline(**{k: v for k, v in kwargs.items() if takes_all or k in params}, **declared)
+
+
+def _check_pipeline(pipe: Any, batch_size: int) -> None:
+    pipeline_type, _ = _import_dali()
+    if not isinstance(pipe, pipeline_type):
+        raise TypeError(f"the pipeline function must return a DALI Pipeline, got "
+                        f"{type(pipe).__name__}")
+    if pipe.max_batch_size != batch_size:
+        raise ValueError(f"the pipeline's batch_size is {pipe.max_batch_size}, the loader's "
+                         f"{batch_size}: let the factory pass batch_size on to the Pipeline")
+    if not getattr(pipe, "_enable_checkpointing", False):
+        raise ValueError("the pipeline was built without checkpointing: let the factory pass "
+                         "enable_checkpointing and checkpoint on to the Pipeline")
+
+
+def _shutdown(pipe: Any) -> None:
+    """Stop a pipeline's source worker processes and its executor now."""
+    pool = getattr(pipe, "_py_pool", None)
+    if pool is not None:
+        pool.close()
+    pipe._shutdown()
+
+
+@contextmanager
+def _frozen_heap() -> Iterator[None]:
+    """Keep every existing object out of garbage collection while worker processes fork.
+
+    A forked worker inherits the parent's uncollected garbage, for example an old loader that a
+    finished ``Trainer`` still holds in a reference cycle. Were the worker's collector to
+    finalize a DALI pipeline in it, the worker would die or hang mid-batch. Frozen objects are
+    never collected in the child; the parent unfreezes them at once.
+    """
+    if gc.get_freeze_count():  # someone else manages the frozen generation
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _gather(entry: dict[str, Any] | None, rank: int, world_size: int) -> list[Any]:
+    """Every rank's entry, in rank order (only this rank's without a process group)."""
+    if world_size > 1 and dist.is_available() and dist.is_initialized() \
+            and dist.get_world_size() == world_size:
+        entries: list[Any] = [None] * world_size
+        dist.all_gather_object(entries, entry)
+        return entries
+    entries = [None] * world_size
+    entries[rank] = entry
+    return entries
