@@ -1,5 +1,13 @@
-"""Deterministic, distributed, exactly resumable data loading for PyTorch Lightning."""
+"""Deterministic, distributed, exactly resumable data loading for PyTorch Lightning.
 
+Names that need Lightning itself (the data module, the monitor, the prediction-index hook) are
+imported on first use, so ``import lightning_loaders`` stays light.
+"""
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+from lightning_loaders._faults import SkippedSample
 from lightning_loaders.context import (
     SampleContext,
     WorkerInfo,
@@ -7,26 +15,102 @@ from lightning_loaders.context import (
     sample_rng,
     worker_info,
 )
+from lightning_loaders.convert import make_resumable
+from lightning_loaders.drawn_orders import DrawnBatchOrder, DrawnOrder
+from lightning_loaders.dynamic import DynamicWeightedSampler
+from lightning_loaders.errors import (
+    SampleFetchError,
+    WorkerCrashedError,
+    WorkerInitError,
+    WorkerTimeoutError,
+)
+from lightning_loaders.iterable import ResumableIterableLoader
 from lightning_loaders.loader import ResumableLoader
 from lightning_loaders.order import SampleOrder, SequentialOrder, ShuffledOrder
+from lightning_loaders.packed import PackedObjects, PackedRecords, PackedStrings, pack
 from lightning_loaders.permutation import KeyedPermutation
 from lightning_loaders.plan import EpochPlan, LastBatch
+from lightning_loaders.random_orders import (
+    RepeatedShuffleOrder,
+    ReplacementOrder,
+    SubsetOrder,
+    WeightedOrder,
+)
 from lightning_loaders.schedule import MapSchedule
+from lightning_loaders.shards import (
+    GeneratorSource,
+    LineFiles,
+    RecordFiles,
+    SequenceSource,
+    ShardedSource,
+    count_records,
+    write_records,
+)
+
+if TYPE_CHECKING:
+    from lightning_loaders.datamodule import ResumableDataModule
+    from lightning_loaders.monitor import DataStallMonitor, DataStallWarning
+    from lightning_loaders.rank_indices import batch_indices, expose_batch_indices
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "DataStallMonitor": "lightning_loaders.monitor",
+    "DataStallWarning": "lightning_loaders.monitor",
+    "ResumableDataModule": "lightning_loaders.datamodule",
+    "batch_indices": "lightning_loaders.rank_indices",
+    "expose_batch_indices": "lightning_loaders.rank_indices",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lightning_loaders' has no attribute {name!r}")
+
+
 __all__ = [
+    "DataStallMonitor",
+    "DataStallWarning",
+    "DrawnBatchOrder",
+    "DrawnOrder",
+    "DynamicWeightedSampler",
     "EpochPlan",
+    "GeneratorSource",
     "KeyedPermutation",
     "LastBatch",
+    "LineFiles",
     "MapSchedule",
+    "PackedObjects",
+    "PackedRecords",
+    "PackedStrings",
+    "RecordFiles",
+    "RepeatedShuffleOrder",
+    "ReplacementOrder",
+    "ResumableDataModule",
+    "ResumableIterableLoader",
     "ResumableLoader",
     "SampleContext",
+    "SampleFetchError",
     "SampleOrder",
+    "SequenceSource",
     "SequentialOrder",
+    "ShardedSource",
     "ShuffledOrder",
+    "SkippedSample",
+    "SubsetOrder",
+    "WeightedOrder",
+    "WorkerCrashedError",
     "WorkerInfo",
+    "WorkerInitError",
+    "WorkerTimeoutError",
+    "batch_indices",
+    "count_records",
+    "expose_batch_indices",
+    "make_resumable",
+    "pack",
     "sample_context",
     "sample_rng",
     "worker_info",
+    "write_records",
 ]

@@ -1,0 +1,25 @@
+"""Print the README's API reference: every public name with the first line of its docstring."""
+
+import inspect
+
+import lightning_loaders
+from lightning_loaders.adapters import beton, dali, ffcv
+
+
+def _summary(obj: object) -> str:
+    doc = inspect.getdoc(obj) or ""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+def main() -> None:
+    print("| name | what it is |\n|---|---|")
+    for name in lightning_loaders.__all__:
+        print(f"| `{name}` | {_summary(getattr(lightning_loaders, name))} |")
+    for module, names in ((dali, ["DALILoader"]), (ffcv, ["FFCVLoader"]),
+                          (beton, ["write_beton"])):
+        for name in names:
+            print(f"| `{module.__name__}.{name}` | {_summary(getattr(module, name))} |")
+
+
+if __name__ == "__main__":
+    main()
