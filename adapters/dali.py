@@ -50,8 +50,8 @@ from lightning_loaders.schedule import MapSchedule
 __all__ = ["INSTALL_HINT", "DALILoader", "FileSamples"]
 
 INSTALL_HINT = ("DALILoader needs NVIDIA DALI: pip install 'lightning-loaders[dali]' (or the "
-                "nvidia-dali-cuda120 / nvidia-dali-cuda110 wheel that matches your CUDA)")
-EXTRA_KEY = "dali"
+                "nvidia-dali-cudaXYZ wheel that matches your CUDA version)")
+_STATE_KEY = "dali"
 _POLICIES = ("keep", "drop", "pad")
 _DALI_POLICY = {"keep": "PARTIAL", "drop": "DROP", "pad": "FILL"}
 
@@ -265,12 +265,12 @@ class DALILoader:
             rank, world_size = self.schedule.placement
             engine = self._engine.engine
             entries = _gather(engine.entry() if engine else None, rank, world_size)
-            state["extra"] = {**state.get("extra", {}), EXTRA_KEY: entries}
+            state["extra"] = {**state.get("extra", {}), _STATE_KEY: entries}
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a cursor; the next ``iter()`` continues exactly after its last batch."""
-        entries = dict(state_dict.get("extra") or {}).get(EXTRA_KEY)
+        entries = dict(state_dict.get("extra") or {}).get(_STATE_KEY)
         if self._schedule is None:
             self._pending_state = dict(state_dict)
         else:
@@ -618,17 +618,20 @@ class _PlannedSource:
         self.first_batch = schedule.plan.num_batches - schedule.remaining
         self.batch_offset = schedule.batches - self.first_batch
         self.epoch_len = schedule.plan_for(schedule.epoch + 1, self.world_size).num_batches
-        self._last: tuple[int, int, int, np.ndarray, np.ndarray] | None = None
+        self.seed = schedule.seed
+        self._last: tuple[int, int, int, list[int], list[int]] | None = None
 
     def __call__(self, info: Any) -> Any:
-        slot = getattr(info, "idx_in_batch", None)
-        if slot is None:
+        try:
+            slot = info.idx_in_batch
+        except AttributeError:
             raise TypeError("DALILoader's source gives one sample per call: use "
-                            "fn.external_source(source=source, batch=False, parallel=True)")
+                            "fn.external_source(source=source, batch=False, parallel=True)"
+                            ) from None
         epoch, batch, positions, indices = self._request(info.iteration - self.first_iteration)
         k = min(slot, len(indices) - 1)
-        index, position = int(indices[k]), int(positions[k])
-        _set_sample(SampleContext(self.schedule.seed, epoch, position, index, self.rank))
+        index, position = indices[k], positions[k]
+        _set_sample(SampleContext(self.seed, epoch, position, index, self.rank))
         try:
             return self.dataset[index]
         except Exception as exc:
@@ -640,7 +643,7 @@ class _PlannedSource:
         finally:
             _set_sample(None)
 
-    def _request(self, step: int) -> tuple[int, int, np.ndarray, np.ndarray]:
+    def _request(self, step: int) -> tuple[int, int, list[int], list[int]]:
         """``(epoch, batch, positions, indices)`` of the ``step``-th batch from the cursor."""
         last = self._last
         if last is not None and last[0] == step:
@@ -654,9 +657,9 @@ class _PlannedSource:
             epoch = self.epoch + 1 + ahead
             plan, batch = self.schedule.plan_for(epoch, self.world_size), plan_batch
         positions = plan.positions(plan_batch, self.rank)
-        indices = self.schedule.order.indices(epoch, positions)
-        self._last = (step, epoch, batch, positions, indices)
-        return epoch, batch, positions, indices
+        indices = self.schedule.order.indices(epoch, positions).tolist()
+        self._last = (step, epoch, batch, positions.tolist(), indices)
+        return epoch, batch, self._last[3], indices
 
 
 def _batch_sizes(schedule: MapSchedule) -> Iterator[int]:
