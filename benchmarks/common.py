@@ -134,12 +134,15 @@ def seconds_per_batch(loader: Iterable[Any], batches: int, warmup: int = 4) -> f
 
 
 def round_robin(loaders: Mapping[str, Iterable[Any]], batches: int, repeats: int, desc: str,
-                settings: Settings, warmup: int = 2) -> dict[str, list[float]]:
+                settings: Settings, warmup: int = 2, runs: int = 5,
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """For loaders without worker processes: per repetition, a new ``iter()`` of each, then
-    one batch of each in turn (order rotated per repetition), so that even short slow spells
-    of a shared machine hit all alike; each repetition's mean seconds per batch."""
+    the loaders take turns (order rotated per repetition), ``runs`` turns of
+    ``batches // runs`` consecutive batches each, so that short slow spells of a shared
+    machine hit all alike; each repetition's mean ``clock`` seconds per batch."""
     names = list(loaders)
     values: dict[str, list[float]] = {name: [] for name in names}
+    per_run = max(1, batches // runs)
     with tqdm(total=repeats, desc=desc, file=sys.stderr, leave=False,
               disable=not settings.progress) as bar:
         for rep in range(repeats):
@@ -151,13 +154,15 @@ def round_robin(loaders: Mapping[str, Iterable[Any]], batches: int, repeats: int
             spent = dict.fromkeys(names, 0.0)
             shift = rep % len(names)
             order = names[shift:] + names[:shift]
-            for _ in range(batches):
+            for _ in range(runs):
                 for name in order:
-                    start = time.perf_counter()
-                    next(iterators[name])
-                    spent[name] += time.perf_counter() - start
+                    iterator = iterators[name]
+                    start = clock()
+                    for _ in range(per_run):
+                        next(iterator)
+                    spent[name] += clock() - start
             for name in names:
-                values[name].append(spent[name] / batches)
+                values[name].append(spent[name] / (per_run * runs))
             bar.update()
     return values
 
@@ -263,7 +268,7 @@ def paired_ratio(ours: Sequence[float], peer: Sequence[float], higher_is_better:
 def throughput_note(batches: int, settings: Settings) -> str:
     """How ``compare_throughput`` measured, for the report's notes."""
     return (f"Per repetition and loader, {batches} timed batches of a new iter(): with "
-            "num_workers=0 the loaders take turns batch by batch (2 warm-up batches each); with "
+            "num_workers=0 the loaders take 5 turns each (2 warm-up batches first); with "
             "workers each loader in turn starts its workers, reads 4 warm-up batches, is timed, "
             f"and stops its workers. Median samples/s of {settings.repeats} repetitions; "
             "ratios: median of the per-repetition ratios.")

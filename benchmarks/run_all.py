@@ -22,8 +22,8 @@ from benchmarks.common import RESULTS_DIR, Report, Settings, markdown, write_rep
 
 __all__ = ["BENCHMARKS", "machine", "main"]
 
-BENCHMARKS = ("tensor", "transform", "jpeg", "memory", "resume", "sampler", "epoch_start",
-              "dali", "ffcv")
+BENCHMARKS = ("overhead", "tensor", "transform", "jpeg", "memory", "resume", "sampler",
+              "epoch_start", "dali", "ffcv")
 OPTIONAL = ("dali", "ffcv")  # written separately; skipped when their module is absent
 
 
