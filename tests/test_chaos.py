@@ -84,6 +84,13 @@ def _tree(pid: int) -> list[psutil.Process]:
         return []
 
 
+def _name(process: psutil.Process) -> str:
+    try:
+        return process.name()
+    except psutil.NoSuchProcess:
+        return ""
+
+
 def _assert_gone(processes: list[psutil.Process], timeout: float = 30) -> None:
     """Every process has exited (orphaned DataLoader workers notice within seconds)."""
     deadline = time.monotonic() + timeout
@@ -131,7 +138,9 @@ def _chaos_run(zygote: TrainingZygote, kind: str, root: Path, steps_per_epoch: i
         # the loader must notice and recover before the training process is killed itself.
         if (worker_kills < WORKER_KILLS and (target or total) - resume >= 6
                 and _wait_for_step(log, resume + 1, pid)):
-            workers = _tree(pid)[1:]
+            # torch's workers only: the shared-memory manager or Python's resource tracker
+            # may be children too, and killing one of those is not a worker crash
+            workers = [p for p in _tree(pid)[1:] if _name(p) == "pt_data_worker"]
             if workers:
                 rng.choice(workers).send_signal(signal.SIGKILL)
                 worker_kills += 1
