@@ -33,9 +33,20 @@ def machine() -> str:
     import torch
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, {gpu}; "
-            f"Python {platform.python_version()}, torch {torch.__version__}, numpy "
-            f"{numpy.__version__}")
+    return (f"{_cpu_model()}, {os.cpu_count()} CPU cores, {gpu}; Python "
+            f"{platform.python_version()}, torch {torch.__version__}, numpy {numpy.__version__}")
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (Linux), else the machine type."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _load(name: str) -> object | None:
