@@ -58,10 +58,11 @@ class SequentialOrder:
 class ShuffledOrder:
     """``shuffle=True``: a new permutation of ``range(n)`` per epoch, keyed by (seed, epoch).
 
-    Plans read contiguous positions, so the permutation is computed a chunk of ``2**16``
-    aligned positions at a time and the last chunk is kept: a batch then costs one small
-    gather instead of a pass of the Feistel network. Memory stays fixed (512 KiB at most)
-    whatever ``n`` is; positions outside the cached chunk are computed directly.
+    Plans read ascending positions, so the permutation is computed a chunk of ``2**16``
+    aligned positions at a time and the last chunk is kept: a block of batches then costs one
+    small gather instead of a pass of the Feistel network. Memory stays fixed (512 KiB at most)
+    whatever ``n`` is; other positions (unsorted, or over more than two chunks) are computed
+    directly.
     """
 
     def __init__(self, n: int, seed: int) -> None:
@@ -69,7 +70,7 @@ class ShuffledOrder:
         self.seed = seed
         # Memos, each replaced by one assignment so concurrent callers never see a torn pair.
         self._perm: tuple[int, KeyedPermutation] | None = None
-        self._chunk: tuple[int, int, np.ndarray] | None = None  # (epoch, start, values)
+        self._chunk: tuple[int, int, np.ndarray] | None = None  # (epoch, chunk, values)
 
     def __len__(self) -> int:
         return self.n
@@ -77,18 +78,35 @@ class ShuffledOrder:
     def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         pos = np.asarray(positions, dtype=np.int64)
         perm = self._permutation(epoch)
-        if pos.ndim != 1 or not pos.size or not 0 <= pos[0] < self.n:
+        if pos.ndim != 1 or not pos.size:
             return perm[pos]
-        start = int(pos[0]) >> _CHUNK_BITS << _CHUNK_BITS
-        chunk = self._chunk
-        if chunk is None or chunk[0] != epoch or chunk[1] != start:
+        first, last = int(pos[0]) >> _CHUNK_BITS, int(pos[-1]) >> _CHUNK_BITS
+        if not 0 <= first <= last <= first + 1 or not 0 <= pos[-1] < self.n:
+            return perm[pos]
+        # Ascending positions across at most two chunks: each segment is read from its chunk.
+        # A position outside its segment's chunk (unsorted input) falls back to the direct path.
+        ends = [len(pos)]
+        if last > first:
+            ends.insert(0, int(np.searchsorted(pos, last << _CHUNK_BITS)))
+        out = np.empty_like(pos)
+        begin = 0
+        for chunk, end in zip(range(first, last + 1), ends, strict=True):
+            values = self._chunk_values(epoch, chunk, perm)
+            offsets = pos[begin:end] - (chunk << _CHUNK_BITS)
+            if offsets.size and offsets.view(np.uint64).max() >= len(values):
+                return perm[pos]
+            out[begin:end] = values[offsets]
+            begin = end
+        return out
+
+    def _chunk_values(self, epoch: int, chunk: int, perm: KeyedPermutation) -> np.ndarray:
+        """The permutation over chunk ``chunk`` of ``epoch`` (the last one computed is kept)."""
+        memo = self._chunk
+        if memo is None or memo[0] != epoch or memo[1] != chunk:
+            start = chunk << _CHUNK_BITS
             stop = min(start + _CHUNK, self.n)
-            chunk = self._chunk = (epoch, start, perm[np.arange(start, stop, dtype=np.int64)])
-        values = chunk[2]
-        offsets = pos - start
-        if offsets.view(np.uint64).max() >= len(values):  # one check for both ends
-            return perm[pos]
-        return values[offsets]
+            memo = self._chunk = (epoch, chunk, perm[np.arange(start, stop, dtype=np.int64)])
+        return memo[2]
 
     def _permutation(self, epoch: int) -> KeyedPermutation:
         memo = self._perm

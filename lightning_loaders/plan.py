@@ -77,6 +77,23 @@ class EpochPlan:
             return self.stop
         return self._span(batches)[0]
 
+    @property
+    def even_batches(self) -> int:
+        """How many leading batches are whole global batches split evenly (all but the last one
+        or two): in each, a rank reads ``batch_size`` consecutive positions."""
+        full = (self.stop - self.start) // self.global_batch_size
+        return full - 1 if self.last_batch == "keep" and self._short_tail() else full
+
+    def even_positions(self, first: int, stop: int, rank: int) -> np.ndarray:
+        """``positions(batch, rank)`` for the even batches ``first..stop - 1`` at once, one row
+        per batch (a whole block of the plan in two numpy calls)."""
+        if not 0 <= first <= stop <= self.even_batches:
+            raise IndexError(f"batches [{first}, {stop}) outside the even batches [0, "
+                             f"{self.even_batches})")
+        begins = np.arange(first, stop, dtype=np.int64) * self.global_batch_size
+        begins += self.start + rank * self.batch_size
+        return begins[:, None] + np.arange(self.batch_size, dtype=np.int64)
+
     def positions(self, batch: int, rank: int) -> np.ndarray:
         """Epoch positions (int64) that ``rank`` reads in ``batch``."""
         if not 0 <= batch < self.num_batches:

@@ -92,7 +92,9 @@ def _expected(n: int, seed: int, epoch: int, positions: np.ndarray) -> np.ndarra
     np.arange(0, 256), np.arange(65_500, 65_600), np.arange(199_990, 200_000),
     np.array([5, 150_000, 3]), np.array([70_000, 3]), np.array([3, 70_000]),
     np.array([65_536, 65_535]), np.arange(10).reshape(2, 5), np.array([], dtype=np.int64),
-])
+    np.arange(60_000, 70_000), np.arange(131_000, 140_000, 3), np.array([3, 70_000, 5, 66_000]),
+    np.arange(0, 140_000, 7),
+], ids=lambda p: f"{p.size}@{p.ravel()[:1]}")
 def test_shuffled_order_matches_its_permutation(positions: np.ndarray) -> None:
     order = ShuffledOrder(200_000, seed=4)
     for epoch in (0, 1, 0):

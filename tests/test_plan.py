@@ -56,6 +56,23 @@ def test_coverage_matches_the_policy(args) -> None:
 
 
 @settings(max_examples=300, deadline=None)
+@given(plans, st.integers(0, 5))
+def test_even_positions_are_positions_a_block_at_a_time(args, first) -> None:
+    plan = _make(*args)
+    if plan is None:
+        return
+    even = plan.even_batches
+    assert 0 <= even <= plan.num_batches <= even + 2
+    for rank in range(plan.world_size):
+        block = plan.even_positions(min(first, even), even, rank)
+        assert block.shape == (even - min(first, even), plan.batch_size)
+        for row, batch in enumerate(range(min(first, even), even)):
+            assert block[row].tolist() == plan.positions(batch, rank).tolist()
+    with pytest.raises(IndexError):
+        plan.even_positions(0, even + 1, 0)
+
+
+@settings(max_examples=300, deadline=None)
 @given(plans)
 def test_consumed_positions_are_a_prefix(args) -> None:
     """After b global batches exactly [start, consumed(b)) was read: elastic resume's basis."""
