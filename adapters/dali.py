@@ -39,13 +39,12 @@ import torch.distributed as dist
 
 from lightning_loaders._fetch import SampleFetchError
 from lightning_loaders._hashing import seed32
-from lightning_loaders.context import SampleContext, _set_sample
+from lightning_loaders.context import set_sample
 from lightning_loaders.distributed import resolve_device, resolve_rank_world
-from lightning_loaders.loader import _resolve_seed
 from lightning_loaders.order import SampleOrder, SequentialOrder, ShuffledOrder
 from lightning_loaders.plan import LastBatch
 from lightning_loaders.samplers import order_from_sampler
-from lightning_loaders.schedule import MapSchedule
+from lightning_loaders.schedule import MapSchedule, resolve_seed
 
 __all__ = ["INSTALL_HINT", "DALILoader", "FileSamples"]
 
@@ -177,7 +176,7 @@ class DALILoader:
         self.dataset = dataset
         self.last_batch: LastBatch = last_batch
         self.drop_last = last_batch == "drop"
-        self.seed = _resolve_seed(seed, None)
+        self.seed = resolve_seed(seed, None)
         self.trainer = trainer
         self.device = device
         self.num_threads = num_threads
@@ -631,7 +630,7 @@ class _PlannedSource:
         epoch, batch, positions, indices = self._request(info.iteration - self.first_iteration)
         k = min(slot, len(indices) - 1)
         index, position = indices[k], positions[k]
-        _set_sample(SampleContext(self.seed, epoch, position, index, self.rank))
+        set_sample((self.seed, epoch, position, index, self.rank))
         try:
             return self.dataset[index]
         except Exception as exc:
@@ -641,7 +640,7 @@ class _PlannedSource:
                 f"{self.rank}: {exc}"
             ) from exc
         finally:
-            _set_sample(None)
+            set_sample(None)
 
     def _request(self, step: int) -> tuple[int, int, list[int], list[int]]:
         """``(epoch, batch, positions, indices)`` of the ``step``-th batch from the cursor."""

@@ -34,10 +34,10 @@ import torch
 from lightning_loaders._fetch import BatchRequest
 from lightning_loaders._lightning import batches_held, find_prefetcher
 from lightning_loaders.distributed import resolve_device
-from lightning_loaders.loader import _EpochSampler, _resolve_seed
+from lightning_loaders.loader import _EpochSampler
 from lightning_loaders.order import SampleOrder, SequentialOrder, ShuffledOrder
 from lightning_loaders.plan import LastBatch
-from lightning_loaders.schedule import MapSchedule, resolve_last_batch
+from lightning_loaders.schedule import MapSchedule, resolve_last_batch, resolve_seed
 
 __all__ = ["FFCV_INSTALL_HINT", "FFCVLoader", "require_ffcv"]
 
@@ -322,7 +322,7 @@ class FFCVLoader:
         self.copy = copy
         self.last_batch: LastBatch = resolve_last_batch(last_batch, drop_last)
         self.drop_last = self.last_batch == "drop"
-        self.seed = _resolve_seed(seed, None)
+        self.seed = resolve_seed(seed, None)
         self._trainer = trainer
         self._device = None if device is None else torch.device(device)
         sample_order = self._make_order(order, header.num_samples, indices)

@@ -2,8 +2,9 @@
 
 The loader feeds torch's ``DataLoader`` machinery (processes, shared memory, pin-memory thread)
 with ``BatchRequest`` objects instead of indices; ``BatchFetcher`` is the dataset those workers
-index. It seeds the global RNGs per batch, exposes the per-sample context, takes the fastest
-fetch path the dataset allows, and names the failing sample when user code raises.
+index (or the loader calls itself, when batches are fetched in the main process). It seeds the
+global RNGs per batch, exposes the per-sample context, takes the fastest fetch path the dataset
+allows, and names the failing sample when user code raises.
 
 When user code raises, a worker returns a ``Failed`` (the error, re-raised by the loader in the
 main process) rather than raising through torch, which would keep only the error's text. With
@@ -14,7 +15,8 @@ Fetch paths, fastest first (each gives exactly what ``default_collate`` of the s
 
 1. *gather*: in-memory data (a tensor, a numeric numpy array, ``TensorDataset``, and
    ``StackDataset``/``Subset`` over those) is gathered a whole batch at a time with
-   ``index_select``; no user code runs, so no RNG is seeded and no sample context is set.
+   ``index_select`` (in the main process, several batches at a time: ``gathered``); no user
+   code runs, so no RNG is seeded and no sample context is set.
 2. *getitems*: a dataset's own ``__getitems__`` gets the batch's indices in one call.
 3. *per sample*: ``dataset[i]`` for every index, with ``sample_context()`` set.
 """
@@ -23,7 +25,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from itertools import islice
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -38,12 +41,13 @@ from torch.utils.data import (
 )
 
 from lightning_loaders._faults import Failed, OnError, Skipped, SkippedSample
-from lightning_loaders.context import SampleContext, _seed_global_rngs, _set_sample
+from lightning_loaders.context import _seeded_global_rngs, set_sample
 from lightning_loaders.errors import SampleFetchError
 
 __all__ = ["BatchFetcher", "BatchRequest", "SampleFetchError"]
 
 _Gather = Callable[[torch.Tensor], Any]
+_GATHER_BLOCK_BYTES = 1 << 20  # in-memory batches gathered together, in bytes of output
 
 
 class BatchRequest(NamedTuple):
@@ -79,6 +83,28 @@ class BatchFetcher(Dataset[Any]):
     def in_memory(self) -> bool:
         return self._gather is not None
 
+    def gathered(self, requests: Iterator[BatchRequest]) -> Iterator[Any]:
+        """The batches of ``requests`` for in-memory data, several per gather.
+
+        Consecutive batches are gathered together, up to about ``_GATHER_BLOCK_BYTES``: one
+        large ``index_select`` pays Python's per-call cost once and is split over torch's
+        intra-op threads, where a small one runs on one. Each batch is a view of its block,
+        so holding one batch keeps at most that block alive.
+        """
+        gather = self._gather
+        assert gather is not None, "gathered() needs in-memory data"
+        first = next(requests, None)
+        if first is None:
+            return
+        row_bytes = _nbytes(gather(torch.from_numpy(first.indices[:1])))
+        per_block = max(1, _GATHER_BLOCK_BYTES // max(1, row_bytes * len(first.indices)))
+        block = [first, *islice(requests, per_block - 1)]
+        while block:
+            sizes = [len(request.indices) for request in block]
+            whole = gather(torch.from_numpy(np.concatenate([r.indices for r in block])))
+            yield from _split(whole, sizes)
+            block = list(islice(requests, per_block))
+
     def __getitem__(self, request: BatchRequest) -> Any:
         if self.init_failure is not None:
             return self.init_failure
@@ -93,18 +119,19 @@ class BatchFetcher(Dataset[Any]):
         gather = self._gather
         if gather is not None:
             return gather(torch.from_numpy(request.indices))
-        _seed_global_rngs(self.seed, request.epoch, request.batch, request.rank)
-        skipped: list[SkippedSample] = []
-        getitems = self._getitems
-        if getitems is not None:
-            samples = self._fetch_batch(request, getitems, skipped)
-        else:
-            samples = self._fetch_samples(request, skipped)
-        if not skipped:
-            return self._collate(request, samples)
-        if not samples:
-            return Skipped(None, tuple(skipped), empty=True)
-        return Skipped(self._collate(request, samples), tuple(skipped))
+        with _seeded_global_rngs(self.seed, request.epoch, request.batch, request.rank,
+                                 restore=get_worker_info() is None):
+            skipped: list[SkippedSample] = []
+            getitems = self._getitems
+            if getitems is not None:
+                samples = self._fetch_batch(request, getitems, skipped)
+            else:
+                samples = self._fetch_samples(request, skipped)
+            if not skipped:
+                return self._collate(request, samples)
+            if not samples:
+                return Skipped(None, tuple(skipped), empty=True)
+            return Skipped(self._collate(request, samples), tuple(skipped))
 
     def _fetch_batch(self, request: BatchRequest, getitems: Callable[[list[int]], list[Any]],
                      skipped: list[SkippedSample]) -> list[Any]:
@@ -127,7 +154,7 @@ class BatchFetcher(Dataset[Any]):
                                                              request.sample_epochs.tolist(),
                                                              request.positions.tolist(),
                                                              strict=True)):
-                _set_sample(SampleContext(seed, epoch, position, index, rank))
+                set_sample((seed, epoch, position, index, rank))
                 try:
                     samples.append(dataset[index])
                 except Exception as exc:
@@ -136,7 +163,7 @@ class BatchFetcher(Dataset[Any]):
                     skipped.append(SkippedSample(request.epoch, request.batch, position, index,
                                                  f"{type(exc).__name__}: {exc}"))
         finally:
-            _set_sample(None)
+            set_sample(None)
         return samples
 
     def _collate(self, request: BatchRequest, samples: list[Any]) -> Any:
@@ -289,6 +316,25 @@ class _SubsetGather:
 
     def __call__(self, index: torch.Tensor) -> Any:
         return self.inner(self.mapping.index_select(0, index))
+
+
+def _split(batch: Any, sizes: list[int]) -> list[Any]:
+    """A gathered block cut back into batches of ``sizes`` rows (views, no copies)."""
+    if isinstance(batch, torch.Tensor):
+        return list(batch.split(sizes))
+    if isinstance(batch, dict):
+        keys = list(batch)
+        return [dict(zip(keys, parts, strict=True))
+                for parts in zip(*(_split(batch[k], sizes) for k in keys), strict=True)]
+    return [list(parts) for parts in zip(*(_split(part, sizes) for part in batch), strict=True)]
+
+
+def _nbytes(batch: Any) -> int:
+    """Bytes of the tensors in a gathered batch."""
+    if isinstance(batch, torch.Tensor):
+        return batch.nbytes
+    parts = batch.values() if isinstance(batch, dict) else batch
+    return sum(_nbytes(part) for part in parts)
 
 
 def _same_batch(got: Any, expected: Any) -> bool:

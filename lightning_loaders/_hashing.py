@@ -10,11 +10,17 @@ import numpy as np
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
+_INITIAL = 0x6A09E667F3BCC909  # mix64() of nothing
 
 
 def mix64(*values: int) -> int:
     """Hash any number of integers into one well-mixed 64-bit integer (splitmix64 chain)."""
-    state = 0x6A09E667F3BCC909
+    return mix64_after(_INITIAL, *values)
+
+
+def mix64_after(state: int, *values: int) -> int:
+    """``mix64(*prefix, *values)`` from ``state = mix64(*prefix)``: a prefix shared by several
+    hashes is hashed once."""
     for value in values:
         state = _splitmix64((state ^ (value & _MASK64)) + _GOLDEN)
     return state

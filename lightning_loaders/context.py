@@ -3,22 +3,33 @@
 ``sample_rng()`` gives ``__getitem__`` and transforms a generator seeded by
 ``(seed, epoch, global position)``: augmentations then do not change with ``num_workers``,
 ``world_size`` or a resume. Global RNGs (``random``, ``numpy``, ``torch``) are also re-seeded
-before every batch from ``(seed, epoch, batch, rank)``, so code using them is reproducible for a
-fixed world size whatever ``num_workers`` is.
+for every batch from ``(seed, epoch, batch, rank)``, so code using them is reproducible for a
+fixed world size whatever ``num_workers`` is; in the main process (``num_workers=0``) they get
+their previous state back after the batch, so the training loop's own random stream goes on as
+if the loader had not been there.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from lightning_loaders._hashing import mix64, seed32
+from lightning_loaders._hashing import mix64, mix64_after
 
-__all__ = ["SampleContext", "WorkerInfo", "sample_context", "sample_rng", "worker_info"]
+__all__ = [
+    "SampleContext",
+    "WorkerInfo",
+    "sample_context",
+    "sample_rng",
+    "set_sample",
+    "worker_info",
+]
 
 
 @dataclass(frozen=True)
@@ -95,18 +106,26 @@ class WorkerInfo(int):
                 f"world_size={self.world_size}, epoch={self.epoch}, seed={self.seed})")
 
 
+_SampleKey = tuple[int, int, int, int, int]  # SampleContext's fields, in order
+
 # Per process: a worker process serves exactly one loader, and in the main process these are set
-# only for the duration of one fetch, so loaders never see each other's values.
-_current_sample: SampleContext | None = None
+# only for the duration of one fetch, so loaders never see each other's values. The sample is
+# set as a plain tuple (once per sample, so it must be cheap) and becomes a ``SampleContext``
+# only when user code asks for it.
+_current_sample: SampleContext | _SampleKey | None = None
 _current_worker: WorkerInfo | None = None
 
 
 def sample_context() -> SampleContext:
     """The sample being fetched; only valid inside ``__getitem__`` or a transform it calls."""
-    if _current_sample is None:
+    global _current_sample
+    current = _current_sample
+    if current is None:
         raise RuntimeError("sample_context() is only available while a ResumableLoader fetches "
                            "a sample (inside the dataset's __getitem__ or its transforms)")
-    return _current_sample
+    if type(current) is tuple:
+        current = _current_sample = SampleContext(*current)
+    return current  # type: ignore[return-value]
 
 
 def sample_rng() -> np.random.Generator:
@@ -119,9 +138,11 @@ def worker_info() -> WorkerInfo | None:
     return _current_worker
 
 
-def _set_sample(ctx: SampleContext | None) -> None:
+def set_sample(sample: _SampleKey | None) -> None:
+    """Publish the sample about to be fetched, as ``(seed, epoch, position, index, rank)``
+    (``None`` once the fetch is over): for engines that call the user's ``__getitem__``."""
     global _current_sample
-    _current_sample = ctx
+    _current_sample = sample
 
 
 def _set_worker(info: WorkerInfo) -> None:
@@ -129,8 +150,25 @@ def _set_worker(info: WorkerInfo) -> None:
     _current_worker = info
 
 
-def _seed_global_rngs(*key: int) -> None:
-    """Re-seed ``random``, ``numpy`` and ``torch`` global RNGs from ``key`` (a few microseconds)."""
-    random.seed(seed32(*key, 0))
-    np.random.seed(seed32(*key, 1))
-    torch.default_generator.manual_seed(mix64(*key, 2) >> 1)
+@contextmanager
+def _seeded_global_rngs(*key: int, restore: bool = True) -> Iterator[None]:
+    """Run a block with the ``random``, ``numpy`` and ``torch`` global RNGs seeded from ``key``.
+
+    The seeds are ``mix64(*key, i)`` for ``i`` in 0, 1, 2 (32 bits for ``random`` and numpy),
+    with the shared key hashed once. With ``restore`` the RNGs get their previous states back
+    afterwards: in the main process the training loop's random stream must not be reset by
+    every fetch. (A worker process owns its RNGs and needs no restore.)
+    """
+    saved = (random.getstate(), np.random.get_state(), torch.random.get_rng_state()) \
+        if restore else None
+    base = mix64(*key)
+    random.seed(mix64_after(base, 0) & 0xFFFFFFFF)
+    np.random.seed(mix64_after(base, 1) & 0xFFFFFFFF)
+    torch.default_generator.manual_seed(mix64_after(base, 2) >> 1)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+            torch.random.set_rng_state(saved[2])

@@ -13,8 +13,9 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
-from lightning_loaders.loader import ResumableLoader, _resolve_seed
+from lightning_loaders.loader import ResumableLoader
 from lightning_loaders.samplers import order_from_batch_sampler
+from lightning_loaders.schedule import resolve_seed
 
 __all__ = ["loader_arguments", "make_resumable"]
 
@@ -76,7 +77,7 @@ def loader_arguments(loader: DataLoader[Any], seed: int | None = None) -> dict[s
         "persistent_workers": loader.persistent_workers,
         "pin_memory_device": loader.pin_memory_device,
         "in_order": getattr(loader, "in_order", True),
-        "seed": _resolve_seed(seed, generator),
+        "seed": resolve_seed(seed, generator),
     }
     if loader.batch_size is not None:
         arguments.update(sampler=loader.sampler, batch_size=loader.batch_size,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import operator
-import random
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 
 from lightning_loaders._hashing import mix64
-from lightning_loaders.context import _seed_global_rngs
+from lightning_loaders.context import _seeded_global_rngs
 
 __all__ = ["DrawnBatchOrder", "DrawnOrder"]
 
@@ -235,25 +234,21 @@ def _generator_holders(sampler: Any) -> list[Any]:
 @contextmanager
 def _seeded(sampler: Any, seed: int, epoch: int) -> Iterator[None]:
     """Seed every RNG the sampler could use from ``(seed, epoch)``; restore them afterwards."""
-    saved = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
     replaced = []
-    try:
-        _seed_global_rngs(seed, epoch, _TAG)
-        for depth, holder in enumerate(_generator_holders(sampler)):
-            generator = torch.Generator().manual_seed(mix64(seed, epoch, _TAG, depth) >> 1)
-            try:
-                previous = holder.generator
-                holder.generator = generator
-            except AttributeError:
-                continue
-            replaced.append((holder, previous))
-        yield
-    finally:
-        for holder, previous in replaced:
-            holder.generator = previous
-        random.setstate(saved[0])
-        np.random.set_state(saved[1])
-        torch.random.set_rng_state(saved[2])
+    with _seeded_global_rngs(seed, epoch, _TAG):
+        try:
+            for depth, holder in enumerate(_generator_holders(sampler)):
+                generator = torch.Generator().manual_seed(mix64(seed, epoch, _TAG, depth) >> 1)
+                try:
+                    previous = holder.generator
+                    holder.generator = generator
+                except AttributeError:
+                    continue
+                replaced.append((holder, previous))
+            yield
+        finally:
+            for holder, previous in replaced:
+                holder.generator = previous
 
 
 def _warn_if_rank_aware(sampler: Any) -> None:

@@ -85,7 +85,7 @@ from lightning_loaders._checks import check_loader_arguments, check_picklable, s
 from lightning_loaders._hashing import mix64
 from lightning_loaders._lightning import batches_held, find_prefetcher
 from lightning_loaders._workers import WorkerLost, WorkerPool, WorkerStalled, shutdown
-from lightning_loaders.context import _seed_global_rngs
+from lightning_loaders.context import _seeded_global_rngs
 from lightning_loaders.distributed import resolve_rank_world
 from lightning_loaders.errors import (
     SampleFetchError,
@@ -93,10 +93,15 @@ from lightning_loaders.errors import (
     WorkerTimeoutError,
     describe_exit,
 )
-from lightning_loaders.loader import _passthrough, _resolve_seed, _WorkerStart
+from lightning_loaders.loader import _passthrough, _WorkerStart
 from lightning_loaders.permutation import KeyedPermutation
 from lightning_loaders.plan import LastBatch, rollover_span
-from lightning_loaders.schedule import following_epoch, resolve_last_batch, trainer_moved_on
+from lightning_loaders.schedule import (
+    following_epoch,
+    resolve_last_batch,
+    resolve_seed,
+    trainer_moved_on,
+)
 from lightning_loaders.shards import ShardedSource, _PlainStream
 from lightning_loaders.state import LoaderState
 
@@ -587,22 +592,23 @@ class _SlotFetcher(Dataset[Any]):
             reader = self._reader(request)
             if reader.exhausted:
                 return _SlotEnd(request.slot)
-            samples = reader.take(request.size)
-            known = self.config.lengths is not None
-            if not known:
-                if not samples or (len(samples) < request.size
-                                   and self.config.last_batch == "drop"):
-                    reader.exhausted = True
-                    return _SlotEnd(request.slot)
-                reader.exhausted = len(samples) < request.size or reader.at_end()
-            elif len(samples) < request.size:
-                raise ValueError(f"slot {request.slot} ran out of samples {reader.where()}: a "
-                                 "shard is shorter than its declared length")
-            reader.batch += 1
-            cursor = None if known else reader.cursor()
-            _seed_global_rngs(self.config.seed, request.epoch, request.batch, request.rank,
-                              request.slot)
-            data = self.collate_fn(samples)
+            with _seeded_global_rngs(self.config.seed, request.epoch, request.batch,
+                                     request.rank, request.slot,
+                                     restore=torch_worker_info() is None):
+                samples = reader.take(request.size)
+                known = self.config.lengths is not None
+                if not known:
+                    if not samples or (len(samples) < request.size
+                                       and self.config.last_batch == "drop"):
+                        reader.exhausted = True
+                        return _SlotEnd(request.slot)
+                    reader.exhausted = len(samples) < request.size or reader.at_end()
+                elif len(samples) < request.size:
+                    raise ValueError(f"slot {request.slot} ran out of samples {reader.where()}: "
+                                     "a shard is shorter than its declared length")
+                reader.batch += 1
+                cursor = None if known else reader.cursor()
+                data = self.collate_fn(samples)
         except Exception as exc:
             raise _fetch_error(request, reader, exc) from exc
         return _Delivered(request.slot, request.batch, data, cursor)
@@ -1095,7 +1101,7 @@ class ResumableIterableLoader:
         self.prefetch_factor = prefetch_factor
         self.persistent_workers = num_workers > 0 and persistent_workers is not False
         self.pin_memory_device = pin_memory_device
-        self.seed = _resolve_seed(seed, generator)
+        self.seed = resolve_seed(seed, generator)
         self.shuffle_buffer = shuffle_buffer
         self.sync_interval = sync_interval
         self.max_worker_restarts = max_worker_restarts

@@ -3,7 +3,8 @@ state is a cursor.
 
 The order of an epoch is a pure function of ``(seed, epoch, world_size, rank)``; the cursor is
 ``(epoch, batches delivered)``, counted when a batch reaches the caller. Workers are torch's own
-(``DataLoader`` machinery), fed with planned batch requests.
+(``DataLoader`` machinery), fed with planned batch requests; without workers, and for in-memory
+data that workers could only slow down, the same requests are fetched in the main process.
 
 Because the cursor only moves on delivery, every fault is handled by restarting from it: a
 worker that dies is replaced and the batch it owed is requested again; an error in user code
@@ -39,7 +40,7 @@ from lightning_loaders.errors import (
 from lightning_loaders.order import SampleOrder, SequentialOrder, ShuffledOrder
 from lightning_loaders.plan import LastBatch
 from lightning_loaders.samplers import order_from_sampler
-from lightning_loaders.schedule import MapSchedule, resolve_last_batch
+from lightning_loaders.schedule import MapSchedule, resolve_last_batch, resolve_seed
 
 __all__ = ["ResumableLoader"]
 
@@ -84,7 +85,11 @@ class ResumableLoader:
     SIGTERM).
 
     Unlike ``DataLoader``, workers are persistent between epochs unless
-    ``persistent_workers=False``, and ``in_order`` is always honoured as ``True``.
+    ``persistent_workers=False``, and ``in_order`` is always honoured as ``True``. In-memory
+    data (tensors, numeric arrays, ``TensorDataset`` and the like, with the default collate) is
+    gathered a whole batch at a time in the main process whatever ``num_workers`` is, unless a
+    ``worker_init_fn`` or ``pin_memory`` asks for workers: no user code runs per sample, and a
+    batch sent from a worker process would cost more than gathering it.
     """
 
     def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -164,7 +169,7 @@ class ResumableLoader:
         self.prefetch_factor = prefetch_factor
         self.persistent_workers = num_workers > 0 and persistent_workers is not False
         self.pin_memory_device = pin_memory_device
-        self.seed = _resolve_seed(seed, generator)
+        self.seed = resolve_seed(seed, generator)
         self.on_error: OnError = on_error
         self.max_worker_restarts = max_worker_restarts
         if len(dataset) < 1:
@@ -181,8 +186,9 @@ class ResumableLoader:
         self.batch_sampler: Any = None  # DataLoader's surface: Lightning's evaluation reads it
         self._iter_token = 0
         self._prefetcher: weakref.ref[Any] | None = None
+        self._batch_fetcher: BatchFetcher | None = None
         self._torch_loader: DataLoader[Any] | None = None
-        self._active: Iterator[Any] | None = None  # the torch iterator delivering now
+        self._active: Iterator[Any] | None = None  # the iterator delivering now
         self._generation = 0  # bumped by close(): iterators then reopen from the cursor
         self._epoch_restarts = 0
         self.worker_restarts = 0
@@ -292,9 +298,31 @@ class ResumableLoader:
         self._epoch_restarts = 0
 
     def _open(self) -> Iterator[Any]:
-        """A torch iterator over the rest of the epoch from the cursor (starting workers)."""
-        self._active = iter(self._workers())
+        """An iterator over the rest of the epoch from the cursor: fetched in this process when
+        worker processes could only add cost, else by torch's workers (started on first use)."""
+        fetcher = self._fetcher()
+        if self._fetches_in_process(fetcher):
+            requests = self.schedule.requests()
+            self._active = (fetcher.gathered(requests) if fetcher.in_memory
+                            else map(fetcher.__getitem__, requests))
+        else:
+            self._active = iter(self._workers())
         return self._active
+
+    def _fetches_in_process(self, fetcher: BatchFetcher) -> bool:
+        """Without workers, or for in-memory data with no ``worker_init_fn``: a batch is then
+        one vectorised gather, far cheaper than sending it from a worker process. Pinned
+        batches go through torch's machinery, which pins them in a thread."""
+        if self.pin_memory:
+            return False
+        return self.num_workers == 0 or (fetcher.in_memory and self.worker_init_fn is None)
+
+    def _fetcher(self) -> BatchFetcher:
+        """The batch fetcher (made once: it probes the dataset for the fastest fetch path)."""
+        if self._batch_fetcher is None:
+            self._batch_fetcher = BatchFetcher(self.dataset, self.collate_fn, self.seed,
+                                               self.on_error)
+        return self._batch_fetcher
 
     def _receive(self, item: Any) -> Any:
         """Unwrap what a fetch returned: raise a worker's error, record skipped samples."""
@@ -367,7 +395,7 @@ class ResumableLoader:
             if self.pin_memory_device:
                 extra["pin_memory_device"] = self.pin_memory_device
             self._torch_loader = WorkerPool(
-                BatchFetcher(self.dataset, self.collate_fn, self.seed, self.on_error),
+                self._fetcher(),
                 batch_size=None,
                 sampler=_RequestSampler(self.schedule),
                 num_workers=self.num_workers,
@@ -541,10 +569,3 @@ def _saved_skip_count(state_dict: Any) -> int:
                          ">= 0")
     return count
 
-
-def _resolve_seed(seed: int | None, generator: torch.Generator | None) -> int:
-    if seed is not None:
-        return int(seed)
-    if generator is not None:
-        return int(generator.initial_seed())
-    return int(os.environ.get("PL_GLOBAL_SEED", 0))

@@ -8,11 +8,13 @@ differ only in the engine that turns its requests into batches.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import torch
 
 from lightning_loaders._fetch import BatchRequest
 from lightning_loaders.distributed import resolve_rank_world
@@ -20,9 +22,16 @@ from lightning_loaders.order import SampleOrder
 from lightning_loaders.plan import LAST_BATCH_POLICIES, EpochPlan, LastBatch, rollover_span
 from lightning_loaders.state import LoaderState
 
-__all__ = ["MapSchedule", "following_epoch", "resolve_last_batch", "trainer_moved_on"]
+__all__ = [
+    "MapSchedule",
+    "following_epoch",
+    "resolve_last_batch",
+    "resolve_seed",
+    "trainer_moved_on",
+]
 
 ORDER_STATE = "order"
+_BLOCK_SAMPLES = 8192  # positions planned per order.indices call (~64 KiB of int64 per array)
 
 
 class MapSchedule:
@@ -228,19 +237,40 @@ def _batch_requests(plan: EpochPlan, epoch: int, batches: int, offset_batches: i
                     order: SampleOrder, stream_epoch_len: int | None) -> Iterator[BatchRequest]:
     """Requests for batches ``batches..`` of ``plan`` (a free function: the generator must not
     keep its schedule alive). ``stream_epoch_len`` is set when positions are rollover stream
-    positions, which span the permutations of two epochs."""
-    for batch in range(batches - offset_batches, plan.num_batches):
-        positions = plan.positions(batch, rank)
-        if stream_epoch_len is None:
-            sample_epochs = np.full_like(positions, epoch)
-            indices = order.indices(epoch, positions)
+    positions, which span the permutations of two epochs.
+
+    Even batches are planned a block at a time (one ``order.indices`` call per block), the last
+    one or two batches of an epoch one by one.
+    """
+    block = max(1, _BLOCK_SAMPLES // plan.batch_size)
+    batch = batches - offset_batches
+    while batch < plan.num_batches:
+        stop = min(batch + block, plan.even_batches)
+        if stop > batch:
+            positions = plan.even_positions(batch, stop, rank)
         else:
-            sample_epochs, positions = np.divmod(positions, stream_epoch_len)
-            indices = np.empty_like(positions)
-            for sample_epoch in np.unique(sample_epochs):
-                mask = sample_epochs == sample_epoch
-                indices[mask] = order.indices(int(sample_epoch), positions[mask])
-        yield BatchRequest(epoch, offset_batches + batch, rank, sample_epochs, positions, indices)
+            stop = batch + 1
+            positions = plan.positions(batch, rank)[None, :]
+        sample_epochs, positions, indices = _locate(order, epoch, positions, stream_epoch_len)
+        for row in range(stop - batch):
+            yield BatchRequest(epoch, offset_batches + batch + row, rank, sample_epochs[row],
+                               positions[row], indices[row])
+        batch = stop
+
+
+def _locate(order: SampleOrder, epoch: int, positions: np.ndarray,
+            stream_epoch_len: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(sample_epochs, positions, indices)`` of a block of positions: rollover stream
+    positions are split into (epoch, position in it) first."""
+    if stream_epoch_len is None:
+        indices = order.indices(epoch, positions.ravel()).reshape(positions.shape)
+        return np.full_like(positions, epoch), positions, indices
+    sample_epochs, positions = np.divmod(positions, stream_epoch_len)
+    indices = np.empty_like(positions)
+    for sample_epoch in np.unique(sample_epochs):
+        mask = sample_epochs == sample_epoch
+        indices[mask] = order.indices(int(sample_epoch), positions[mask])
+    return sample_epochs, positions, indices
 
 
 def resolve_last_batch(last_batch: str | None, drop_last: bool) -> LastBatch:
@@ -252,6 +282,16 @@ def resolve_last_batch(last_batch: str | None, drop_last: bool) -> LastBatch:
     if drop_last and last_batch != "drop":
         raise ValueError(f"drop_last=True contradicts last_batch={last_batch!r}; give one of them")
     return last_batch  # type: ignore[return-value]
+
+
+def resolve_seed(seed: int | None, generator: torch.Generator | None = None) -> int:
+    """``seed``, else the ``generator``'s initial seed, else ``$PL_GLOBAL_SEED`` (which
+    Lightning's ``seed_everything`` sets, also in DDP's launched processes), else 0."""
+    if seed is not None:
+        return int(seed)
+    if generator is not None:
+        return int(generator.initial_seed())
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
 
 def trainer_moved_on(trainer_epoch: int | None, owner: int | None) -> bool:

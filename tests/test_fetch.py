@@ -74,16 +74,54 @@ def test_gather_equals_default_collate(name: str) -> None:
         assert_same(fetcher[_request(indices)], expected)
 
 
+def _no_op(worker_id: int) -> None:
+    """A worker_init_fn: asks for real worker processes even for in-memory data."""
+
+
+@pytest.mark.parametrize("worker_init_fn", [None, _no_op], ids=["in process", "in workers"])
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_loader_batches_equal_dataloader_batches(num_workers: int) -> None:
-    """End to end, in the main process and in workers (shared-memory output)."""
+def test_loader_batches_equal_dataloader_batches(num_workers: int, worker_init_fn) -> None:
+    """End to end: gathered in the main process (in blocks), and in workers (straight into
+    shared memory)."""
     for name in ("TensorDataset", "StackDataset dict", "float32 1-D (numpy scalars)", "Subset"):
         dataset = _arrays()[name]
-        ours = list(ResumableLoader(dataset, batch_size=4, num_workers=num_workers))
+        ours = list(ResumableLoader(dataset, batch_size=4, num_workers=num_workers,
+                                    worker_init_fn=worker_init_fn))
         theirs = list(DataLoader(dataset, batch_size=4, num_workers=num_workers))
         assert len(ours) == len(theirs)
         for got, expected in zip(ours, theirs, strict=True):
             assert_same(got, expected)
+
+
+def _requests(sizes: list[int], seed: int = 0) -> list[BatchRequest]:
+    order = np.random.default_rng(seed).permutation(sum(sizes))
+    bounds = np.cumsum([0, *sizes])
+    return [_request(order[a:b].tolist(), batch=k)
+            for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))]
+
+
+@pytest.mark.parametrize("name", ["TensorDataset", "StackDataset dict", "tensor"])
+def test_gathered_blocks_equal_batch_by_batch_gathers(name: str) -> None:
+    dataset = _arrays()[name]
+    fetcher = BatchFetcher(dataset, None, seed=0)
+    requests = _requests([5, 5, 5, 5, 5, 5, 4, 3])  # a short tail, as plans end
+    got = list(fetcher.gathered(iter(requests)))
+    assert len(got) == len(requests)
+    for batch, request in zip(got, requests, strict=True):
+        assert_same(batch, fetcher[request])
+    assert list(fetcher.gathered(iter([]))) == []
+
+
+def test_a_gathered_batch_keeps_at_most_its_block_alive(monkeypatch) -> None:
+    """Blocks hold about _GATHER_BLOCK_BYTES of batches: a batch is a view of one block."""
+    rows = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)  # 64 bytes a row
+    monkeypatch.setattr("lightning_loaders._fetch._GATHER_BLOCK_BYTES", 4 * 64 * 4)
+    fetcher = BatchFetcher(rows, None, seed=0)
+    batches = list(fetcher.gathered(iter(_requests([4] * 16))))
+    storages = {b.untyped_storage().data_ptr() for b in batches}
+    assert len(storages) == 4, "16 batches of 256 bytes in blocks of 1 KiB"
+    assert all(b.untyped_storage().nbytes() == 1024 for b in batches)
+    assert all(b.is_contiguous() for b in batches)
 
 
 class _Scaled(TensorDataset):

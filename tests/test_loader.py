@@ -1,4 +1,5 @@
 import pickle
+import random
 import time
 import warnings
 
@@ -218,6 +219,46 @@ def _check_worker_init(worker: int) -> None:
     assert (worker.num_workers, worker.rank, worker.world_size, worker.seed) == (2, 0, 1, 11)
     assert isinstance(worker.dataset, IndexDataset)
     assert worker_info() is worker
+
+
+def test_in_memory_data_is_gathered_in_process_unless_workers_are_needed() -> None:
+    """No user code runs per sample on in-memory data: worker processes would only add the
+    cost of sending batches. A worker_init_fn asks for them; the stream is the same."""
+    ds = TensorDataset(torch.randn(40, 3), torch.arange(40))
+
+    def stream(**kwargs) -> list:
+        loader = ResumableLoader(ds, batch_size=6, shuffle=True, seed=2, **kwargs)
+        it = iter(loader)
+        first = next(it)
+        processes = len(loader_processes())
+        return [processes, *[to_plain(b) for b in [first, *it]]]
+
+    in_process = stream(num_workers=0)
+    assert in_process[0] == 0
+    assert stream(num_workers=2) == in_process
+    with_workers = stream(num_workers=2, worker_init_fn=lambda worker_id: None,
+                          multiprocessing_context="fork")
+    assert with_workers[0] == 2 and with_workers[1:] == in_process[1:]
+
+
+def test_fetching_in_process_leaves_the_training_loops_rngs_alone() -> None:
+    """At num_workers=0 the global RNGs are seeded per batch for the dataset, then given back:
+    the training loop's random stream goes on as if the loader were not there."""
+    def draw() -> tuple[float, float, float]:
+        return random.random(), np.random.rand(), torch.rand(1).item()
+
+    torch.manual_seed(5)  # seeds all three
+    random.seed(5)
+    np.random.seed(5)
+    expected = [draw(), draw()]
+    torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
+    got = [draw()]
+    batches = list(ResumableLoader(_Augmented(), batch_size=3, shuffle=True, seed=8))
+    got.append(draw())
+    assert got == expected
+    assert len({b[0, 2].item() for b in batches}) > 1, "the dataset did draw from the RNGs"
 
 
 def test_worker_init_fn_gets_an_int_with_rich_info() -> None:
