@@ -41,7 +41,7 @@ from torch.utils.data import (
 )
 
 from lightning_loaders._faults import Failed, OnError, Skipped, SkippedSample
-from lightning_loaders.context import _seeded_global_rngs, set_sample
+from lightning_loaders.context import _seeded_fetch, set_sample
 from lightning_loaders.errors import SampleFetchError
 
 __all__ = ["BatchFetcher", "BatchRequest", "SampleFetchError"]
@@ -119,8 +119,7 @@ class BatchFetcher(Dataset[Any]):
         gather = self._gather
         if gather is not None:
             return gather(torch.from_numpy(request.indices))
-        with _seeded_global_rngs(self.seed, request.epoch, request.batch, request.rank,
-                                 restore=get_worker_info() is None):
+        with _seeded_fetch(self.seed, request.epoch, request.batch, request.rank):
             skipped: list[SkippedSample] = []
             getitems = self._getitems
             if getitems is not None:

@@ -85,7 +85,7 @@ from lightning_loaders._checks import check_loader_arguments, check_picklable, s
 from lightning_loaders._hashing import mix64
 from lightning_loaders._lightning import batches_held, find_prefetcher
 from lightning_loaders._workers import WorkerLost, WorkerPool, WorkerStalled, shutdown
-from lightning_loaders.context import _seeded_global_rngs
+from lightning_loaders.context import _seeded_fetch
 from lightning_loaders.distributed import resolve_rank_world
 from lightning_loaders.errors import (
     SampleFetchError,
@@ -592,9 +592,8 @@ class _SlotFetcher(Dataset[Any]):
             reader = self._reader(request)
             if reader.exhausted:
                 return _SlotEnd(request.slot)
-            with _seeded_global_rngs(self.config.seed, request.epoch, request.batch,
-                                     request.rank, request.slot,
-                                     restore=torch_worker_info() is None):
+            with _seeded_fetch(self.config.seed, request.epoch, request.batch, request.rank,
+                               request.slot):
                 samples = reader.take(request.size)
                 known = self.config.lengths is not None
                 if not known:
