@@ -16,10 +16,7 @@ batches (steady state), the median CPU time of an epoch (all threads), and their
 
 from __future__ import annotations
 
-import argparse
 import functools
-import resource
-import statistics
 import sys
 import tempfile
 import time
@@ -28,19 +25,18 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from benchmarks.common import (
-    RESULTS_DIR,
     Plot,
     Report,
     Settings,
+    arrival_times,
+    epoch_case,
     interleaved,
-    markdown,
     median,
     paired_ratio,
-    write_report,
+    standalone,
 )
+from benchmarks.images import write_jpegs
 
 __all__ = ["main", "run"]
 
@@ -50,21 +46,6 @@ PY_WORKERS = 2
 RAW = "raw DALI iterator"
 OURS = "DALILoader"
 LOADERS = (RAW, OURS)
-
-
-def _write_jpegs(directory: Path, count: int, side: int) -> list[str]:
-    from PIL import Image
-
-    paths = []
-    for i in range(count):
-        rng = np.random.default_rng(i)
-        ramp = np.linspace(0, 255, side, dtype=np.float32)
-        base = ramp[None, :, None] * rng.uniform(0.2, 1.0, 3) + ramp[:, None, None] * 0.3
-        pixels = np.clip(base + rng.normal(0, 12, (side, side, 3)), 0, 255).astype(np.uint8)
-        path = directory / f"{i:05d}.jpg"
-        Image.fromarray(pixels).save(path, quality=90)
-        paths.append(str(path))
-    return paths
 
 
 def _graph(files: list[str], side: int, shard_id: int, num_shards: int, device: str,
@@ -121,26 +102,19 @@ def _make_loaders(files: list[str], side: int, mode: str) -> dict[str, Callable[
         raw = DALIGenericIterator(pipeline(**common, **context), ["x", "y"],
                                   reader_name="Reader", auto_reset=True,
                                   last_batch_policy=LastBatchPolicy.PARTIAL)
-        return {RAW: lambda: _arrivals(raw), OURS: lambda: _arrivals(ours)}
+        return {RAW: lambda: arrival_times(raw), OURS: lambda: arrival_times(ours)}
     ours = DALILoader(pipeline, ["x", "y"], batch_size=BATCH_SIZE, dataset=FileSamples(files),
                       shuffle=True, num_threads=NUM_THREADS, py_num_workers=PY_WORKERS, seed=0,
                       device="cpu")
     raw = DALIGenericIterator(pipeline(**common, **context, source=_RawSource(files)),
                               ["x", "y"])
     batches = len(ours)
-    return {RAW: lambda: _arrivals(_take(raw, batches)), OURS: lambda: _arrivals(ours)}
+    return {RAW: lambda: arrival_times(_take(raw, batches)), OURS: lambda: arrival_times(ours)}
 
 
 def _take(iterator: Any, count: int) -> Iterator[Any]:
     for _ in range(count):
         yield next(iterator)
-
-
-def _arrivals(epoch: Any) -> list[float]:
-    times = []
-    for _ in epoch:
-        times.append(time.perf_counter())
-    return times
 
 
 class _InsideDali:
@@ -188,35 +162,6 @@ def _own_work(epoch: Callable[[], list[float]], repeats: int) -> float:
     return median(per_batch)
 
 
-def _cpu_seconds() -> float:
-    """CPU time of this process (all threads) and of its live children (the source workers;
-    the kernel counts theirs in clock ticks, so only sums over many epochs are precise)."""
-    import psutil
-
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    total = usage.ru_utime + usage.ru_stime
-    for child in psutil.Process().children(recursive=True):
-        try:
-            times = child.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
-
-
-def _case(epoch: Callable[[], list[float]], gaps: list[float], cpu: list[float]
-          ) -> Callable[[], float]:
-    def run() -> float:
-        start = _cpu_seconds()
-        times = epoch()
-        cpu.append(_cpu_seconds() - start)
-        mine = list(np.diff(times))  # the first batch waits for the epoch start
-        gaps.extend(mine)
-        return statistics.median(mine) if mine else 0.0
-
-    return run
-
-
 def measure(files: list[str], side: int, mode: str, repeats: int, settings: Settings
             ) -> dict[str, Any]:
     """One row: medians per loader and the ratios raw / ours."""
@@ -225,7 +170,7 @@ def measure(files: list[str], side: int, mode: str, repeats: int, settings: Sett
         epoch()  # warm-up: allocations, the first prefetch
     gaps: dict[str, list[float]] = {name: [] for name in loaders}
     cpu: dict[str, list[float]] = {name: [] for name in loaders}
-    per_epoch = interleaved({name: _case(epoch, gaps[name], cpu[name])
+    per_epoch = interleaved({name: epoch_case(epoch, gaps[name], cpu[name], children=True)
                              for name, epoch in loaders.items()}, repeats, f"dali {mode}",
                             settings)
     own = {name: _own_work(epoch, repeats) for name, epoch in loaders.items()}
@@ -247,7 +192,7 @@ def run(settings: Settings, images: int | None = None, side: int | None = None) 
     images = images or settings.pick(1024, 4096)
     side = side or settings.pick(64, 128)
     with tempfile.TemporaryDirectory(prefix="ll-bench-dali-") as directory:
-        files = _write_jpegs(Path(directory), images, side)
+        files = write_jpegs(Path(directory), images, side)
         rows = [measure(files, side, mode, settings.repeats, settings)
                 for mode in ("reader", "external source")]
     columns = ("mode", *(f"{n} ms/batch" for n in LOADERS), "raw / ours (batch)",
@@ -280,23 +225,9 @@ def run(settings: Settings, images: int | None = None, side: int | None = None) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--images", type=int, help="JPEG files (default 1024, 4096 with --full)")
-    parser.add_argument("--side", type=int, help="image side (default 64, 128 with --full)")
-    parser.add_argument("--repeats", type=int, default=15, help="epochs per loader")
-    parser.add_argument("--full", action="store_true", help="the full sizes")
-    parser.add_argument("--results", type=Path, help="output folder (default benchmarks/results, "
-                        "or benchmarks/results/quick without --full)")
-    parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-    results = args.results or (RESULTS_DIR if args.full else RESULTS_DIR / "quick")
-    settings = Settings(quick=not args.full, repeats=args.repeats, results_dir=results,
-                        progress=not args.no_progress)
-    report = run(settings, args.images, args.side)
-    written = write_report(report, settings)
-    print(markdown(report))
-    print("written: " + ", ".join(str(path) for path in written))
-    return 0
+    return standalone(run, __doc__.splitlines()[0],
+                      {"images": "JPEG files (default 1024, 4096 with --full)",
+                       "side": "image side (default 64, 128 with --full)"}, argv)
 
 
 if __name__ == "__main__":

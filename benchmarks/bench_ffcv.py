@@ -13,29 +13,26 @@ reused buffers, like the raw loader).
 
 from __future__ import annotations
 
-import argparse
-import resource
-import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from benchmarks.common import (
-    RESULTS_DIR,
     Plot,
     Report,
     Settings,
+    arrival_times,
+    epoch_case,
     interleaved,
-    markdown,
     median,
     ratio,
-    write_report,
+    standalone,
 )
+from benchmarks.images import synthetic_image
 
 __all__ = ["main", "run"]
 
@@ -48,20 +45,16 @@ LOADERS = (RAW, COPY, ZERO_COPY)
 
 
 class _Images:
-    """``count`` smooth-with-noise ``side`` x ``side`` RGB images and their labels."""
+    """``count`` synthetic ``side`` x ``side`` RGB images and their labels."""
 
     def __init__(self, count: int, side: int) -> None:
         self.count, self.side = count, side
-        self.ramp = np.linspace(0, 255, side, dtype=np.float32)
 
     def __len__(self) -> int:
         return self.count
 
     def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
-        rng = np.random.default_rng(index)
-        base = self.ramp[None, :, None] * rng.uniform(0.2, 1.0, 3) + self.ramp[:, None, None] * 0.3
-        pixels = np.clip(base + rng.normal(0, 12, (self.side, self.side, 3)), 0, 255)
-        return pixels.astype(np.uint8), index % 10
+        return synthetic_image(index, self.side), index % 10
 
 
 def _pipelines() -> dict[str, list[Any]]:
@@ -88,31 +81,6 @@ def _make_loaders(beton: str) -> dict[str, Any]:
     }
 
 
-def _cpu_seconds() -> float:
-    """CPU time of this process, all threads (FFCV's decoding threads included)."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def _epoch(loader: Iterable[Any], gaps: list[float], cpu: list[float]) -> float:
-    """Run one epoch; record the gaps between batches and the CPU time; the median gap."""
-    cpu_start = _cpu_seconds()
-    last = None
-    mine = []
-    for _ in loader:
-        now = time.perf_counter()
-        if last is not None:  # the first batch waits for the epoch start: not a steady gap
-            mine.append(now - last)
-        last = now
-    cpu.append(_cpu_seconds() - cpu_start)
-    gaps.extend(mine)
-    return statistics.median(mine) if mine else 0.0
-
-
-def _case(loader: Any, gaps: list[float], cpu: list[float]) -> Callable[[], float]:
-    return lambda: _epoch(loader, gaps, cpu)
-
-
 def measure(beton: str, repeats: int, settings: Settings, label: str) -> dict[str, Any]:
     """One row: medians per loader, the ratios raw / ours and the CPU overhead in percent."""
     loaders = _make_loaders(beton)
@@ -121,7 +89,7 @@ def measure(beton: str, repeats: int, settings: Settings, label: str) -> dict[st
             pass
     gaps: dict[str, list[float]] = {name: [] for name in loaders}
     cpu: dict[str, list[float]] = {name: [] for name in loaders}
-    interleaved({name: _case(loader, gaps[name], cpu[name])
+    interleaved({name: epoch_case(partial(arrival_times, loader), gaps[name], cpu[name])
                  for name, loader in loaders.items()}, repeats, f"ffcv {label}", settings)
     for loader in loaders.values():
         close = getattr(loader, "close", None)
@@ -179,23 +147,9 @@ def run(settings: Settings, samples: int | None = None, side: int | None = None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, help="images (default 8192, 32768 with --full)")
-    parser.add_argument("--side", type=int, help="image side (default 32, 64 with --full)")
-    parser.add_argument("--repeats", type=int, default=15, help="epochs per loader")
-    parser.add_argument("--full", action="store_true", help="the full sizes")
-    parser.add_argument("--results", type=Path, help="output folder (default benchmarks/results, "
-                        "or benchmarks/results/quick without --full)")
-    parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-    results = args.results or (RESULTS_DIR if args.full else RESULTS_DIR / "quick")
-    settings = Settings(quick=not args.full, repeats=args.repeats, results_dir=results,
-                        progress=not args.no_progress)
-    report = run(settings, args.samples, args.side)
-    written = write_report(report, settings)
-    print(markdown(report))
-    print("written: " + ", ".join(str(path) for path in written))
-    return 0
+    return standalone(run, __doc__.splitlines()[0],
+                      {"samples": "images (default 8192, 32768 with --full)",
+                       "side": "image side (default 32, 64 with --full)"}, argv)
 
 
 if __name__ == "__main__":

@@ -18,27 +18,12 @@ from benchmarks.common import (
     throughput_note,
     throughput_series,
 )
+from benchmarks.images import write_jpegs
 
-__all__ = ["JpegFiles", "run", "write_jpegs"]
+__all__ = ["JpegFiles", "run"]
 
 BATCH_SIZE = 32
 SIDE = 256
-
-
-def write_jpegs(directory: Path, count: int) -> list[str]:
-    """``count`` smooth-with-noise RGB JPEGs (quality 90); their paths."""
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    ramp = np.linspace(0, 255, SIDE, dtype=np.float32)
-    paths = []
-    for i in range(count):
-        base = (ramp[None, :, None] * rng.uniform(0.2, 1.0, 3) + ramp[:, None, None] * 0.3)
-        pixels = np.clip(base + rng.normal(0, 12, (SIDE, SIDE, 3)), 0, 255).astype(np.uint8)
-        path = directory / f"{i:06d}.jpg"
-        Image.fromarray(pixels).save(path, quality=90)
-        paths.append(str(path))
-    return paths
 
 
 class JpegFiles(Dataset[torch.Tensor]):
@@ -62,7 +47,7 @@ def run(settings: Settings) -> Report:
     count = settings.pick(256, 1024)
     batches = settings.pick(5, 12)
     with tempfile.TemporaryDirectory(prefix="ll-bench-jpeg-") as directory:
-        dataset = JpegFiles(write_jpegs(Path(directory), count))
+        dataset = JpegFiles(write_jpegs(Path(directory), count, SIDE))
         configs = {"num_workers=2": {"batch_size": BATCH_SIZE, "shuffle": True,
                                      "num_workers": 2}}
         rows = compare_throughput(dataset, configs, batches, settings, "jpeg")

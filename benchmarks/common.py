@@ -8,8 +8,10 @@ throughput ``ours / peer``, for a time or a memory size ``peer / ours``; above 1
 
 from __future__ import annotations
 
+import argparse
 import gc
 import math
+import resource
 import statistics
 import sys
 import time
@@ -28,8 +30,11 @@ __all__ = [
     "Plot",
     "Report",
     "Settings",
+    "arrival_times",
     "close_loader",
     "compare_throughput",
+    "cpu_seconds",
+    "epoch_case",
     "interleaved",
     "loader_names",
     "make_loaders",
@@ -39,6 +44,7 @@ __all__ = [
     "ratio",
     "round_robin",
     "seconds_per_batch",
+    "standalone",
     "throughput_columns",
     "throughput_note",
     "throughput_series",
@@ -287,6 +293,71 @@ def throughput_series() -> tuple[str, ...]:
 
 def _timer(loader: Any, batches: int) -> Callable[[], float]:
     return lambda: seconds_per_batch(loader, batches)
+
+
+# -- whole epochs (the adapters against their raw engines) -----------------------------------
+
+
+def cpu_seconds(children: bool = False) -> float:
+    """CPU time of this process (all threads) and, with ``children``, of its live child
+    processes (the kernel counts theirs in clock ticks: only sums over many epochs are
+    precise)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    total = usage.ru_utime + usage.ru_stime
+    if children:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            try:
+                times = child.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+    return total
+
+
+def arrival_times(epoch: Iterable[Any]) -> list[float]:
+    """Run one epoch; the ``perf_counter`` time at which each batch arrived."""
+    return [time.perf_counter() for _ in epoch]
+
+
+def epoch_case(epoch: Callable[[], list[float]], gaps: list[float], cpu: list[float],
+               children: bool = False) -> Callable[[], float]:
+    """A case for ``interleaved``: runs ``epoch`` (which returns the arrival times), adds the
+    gaps between batches to ``gaps`` and the epoch's CPU seconds to ``cpu``; returns the
+    median gap. The first batch waits for the epoch start, so it makes no gap."""
+    def run() -> float:
+        start = cpu_seconds(children)
+        times = epoch()
+        cpu.append(cpu_seconds(children) - start)
+        mine = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+        gaps.extend(mine)
+        return statistics.median(mine) if mine else 0.0
+
+    return run
+
+
+def standalone(run: Callable[..., Report], description: str, sizes: Mapping[str, str],
+               argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.bench_<name>``: one benchmark alone, quick sizes unless
+    ``--full``; ``sizes`` maps each size option of ``run`` to its help text."""
+    parser = argparse.ArgumentParser(description=description)
+    for name, text in sizes.items():
+        parser.add_argument(f"--{name}", type=int, help=text)
+    parser.add_argument("--repeats", type=int, default=15, help="epochs per loader")
+    parser.add_argument("--full", action="store_true", help="the full sizes")
+    parser.add_argument("--results", type=Path, help="output folder (default benchmarks/results, "
+                        "or benchmarks/results/quick without --full)")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    results = args.results or (RESULTS_DIR if args.full else RESULTS_DIR / "quick")
+    settings = Settings(quick=not args.full, repeats=args.repeats, results_dir=results,
+                        progress=not args.no_progress)
+    report = run(settings, *(getattr(args, name) for name in sizes))
+    written = write_report(report, settings)
+    print(markdown(report))
+    print("written: " + ", ".join(str(path) for path in written))
+    return 0
 
 
 # -- reporting -----------------------------------------------------------------------------
