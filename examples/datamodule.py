@@ -14,20 +14,19 @@ cursor and the current weights instead. Trains uninterrupted, then crashes after
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
-import tempfile
-import warnings
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_loaders.datamodule import ResumableDataModule
 from lightning_loaders.dynamic import DynamicWeightedSampler
+
+from _crash_resume import crash_and_resume, quiet, report, train
 
 
 class NoisyLine(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
@@ -97,40 +96,18 @@ class LossReweighting(Callback):
         self.weights.update_weights(batch[2], outputs["per_sample"] + 0.01)
 
 
-class SimulatedCrash(RuntimeError):
-    pass
-
-
-class CrashAfterStep(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
-        if trainer.global_step == self.step:
-            raise SimulatedCrash(f"simulated crash after step {self.step}")
-
-
 def fit(args: argparse.Namespace, callbacks: list[Callback], ckpt_path: str | None = None
         ) -> LineModel:
     L.seed_everything(42, verbose=False)  # the model's initial weights, and the loaders' seed
     model = LineModel()
     data = LineData(args.samples, args.batch_size, args.num_workers)
-    trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=1, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0,
-                        callbacks=[LossReweighting(data.weights), *callbacks],
-                        enable_checkpointing=any(isinstance(c, ModelCheckpoint)
-                                                 for c in callbacks))
-    try:
-        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
-    except SimulatedCrash:
-        pass
+    train(model, args.epochs, [LossReweighting(data.weights), *callbacks], ckpt_path,
+          datamodule=data)
     return model
 
 
 def main() -> int:
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message=".*(ckpt_path|does not have many workers|LeafSpec)")
+    quiet(".*(does not have many workers|LeafSpec)")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=96)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -139,14 +116,7 @@ def main() -> int:
     parser.add_argument("--crash-at-step", type=int, default=13)
     args = parser.parse_args()
 
-    full = fit(args, [])
-    with tempfile.TemporaryDirectory() as tmp:
-        every_step = ModelCheckpoint(dirpath=tmp, every_n_train_steps=1, save_top_k=-1,
-                                     filename="{step}")
-        before = fit(args, [every_step, CrashAfterStep(args.crash_at_step)]).seen
-        last = Path(tmp) / f"step={args.crash_at_step}.ckpt"
-        after = fit(args, [], ckpt_path=str(last)).seen
-
+    full, before, after = crash_and_resume(partial(fit, args), args.crash_at_step)
     outliers = sum(i % 10 == 0 for batch in full.seen for i in batch)
     drawn = sum(len(batch) for batch in full.seen)
     print(f"training draws:          {drawn} ({outliers / drawn:.0%} outliers, 10% of the data: "
@@ -154,12 +124,7 @@ def main() -> int:
     val_samples = args.samples // 4 + 1
     once = sorted(full.validated) == sorted(list(range(val_samples)) * args.epochs)
     print(f"validation, batch_size=1: each of {val_samples} samples once per epoch: {once}")
-    print(f"batches before crash:    {len(before)}; after resume: {len(after)}")
-    print(f"first batch after resume: {after[0]}")
-    print(f"uninterrupted run there:  {full.seen[len(before)]}")
-    identical = before + after == full.seen
-    print(f"identical to an uninterrupted run: {'yes' if identical else 'NO'}")
-    return 0 if identical else 1
+    return 0 if report(full.seen, before.seen, after.seen) else 1
 
 
 if __name__ == "__main__":

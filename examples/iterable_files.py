@@ -19,20 +19,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import random
 import sys
 import tempfile
-import warnings
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 
 from lightning_loaders import ResumableLoader
 from lightning_loaders.shards import RecordFiles, write_records
+
+from _crash_resume import crash_and_resume, quiet, report, train
 
 
 def write_files(root: Path, files: int, seed: int = 0) -> list[Path]:
@@ -73,19 +74,6 @@ class LineModel(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-class SimulatedCrash(RuntimeError):
-    pass
-
-
-class CrashAfterStep(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
-        if trainer.global_step == self.step:
-            raise SimulatedCrash(f"simulated crash after step {self.step}")
-
-
 def make_loader(paths: list[Path], args: argparse.Namespace) -> ResumableLoader:
     source = RecordFiles(paths, lengths=None if args.unknown_lengths else "scan", decode=decode)
     return ResumableLoader(source, batch_size=args.batch_size, shuffle=True,
@@ -95,24 +83,16 @@ def make_loader(paths: list[Path], args: argparse.Namespace) -> ResumableLoader:
 
 def fit(paths: list[Path], args: argparse.Namespace, callbacks: list[Callback],
         ckpt_path: str | None = None) -> list[tuple[int, list[int]]]:
+    """One training run; (epoch, record ids) of every batch it trained on."""
     model = LineModel()
     loader = make_loader(paths, args)
-    trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=1, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=callbacks, enable_checkpointing=any(
-                            isinstance(c, ModelCheckpoint) for c in callbacks))
-    try:
-        trainer.fit(model, loader, ckpt_path=ckpt_path)
-    except SimulatedCrash:
-        pass
+    train(model, args.epochs, callbacks, ckpt_path, train_dataloaders=loader)
     loader.close()
     return model.seen
 
 
 def main() -> int:
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message=".*(ckpt_path|does not have many workers|"
-                                              "IterableDataset|LeafSpec).*")
+    quiet(".*(does not have many workers|IterableDataset|LeafSpec)")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -136,12 +116,7 @@ def main() -> int:
             length = "len(loader) is unknown (lengths not scanned): Lightning prefetches"
         print(f"{length}; {max(1, args.num_workers)} worker slot(s) read parts of the files")
 
-        full = fit(paths, args, [])
-        every_step = ModelCheckpoint(dirpath=Path(tmp) / "ckpt", every_n_train_steps=1,
-                                     save_top_k=-1, filename="{step}")
-        before = fit(paths, args, [every_step, CrashAfterStep(args.crash_at_step)])
-        last = Path(tmp) / "ckpt" / f"step={args.crash_at_step}.ckpt"
-        after = fit(paths, args, [], ckpt_path=str(last))
+        full, before, after = crash_and_resume(partial(fit, paths, args), args.crash_at_step)
 
     for epoch in range(args.epochs):
         batches = [ids for e, ids in full if e == epoch]
@@ -151,14 +126,10 @@ def main() -> int:
         print(f"epoch {epoch}: {len(batches)} batches (sizes {dict(sorted(sizes.items()))}), "
               f"every record exactly once: {'yes' if once else 'NO'}; "
               f"first batch {batches[0]}")
-    print(f"crashed after step {len(before)}, resumed from {last.name}: "
-          f"{len(after)} more steps")
-    print(f"first batch after resume: {after[0][1]}")
-    print(f"uninterrupted run there:  {full[len(before)][1]}")
-    identical = [ids for _, ids in before + after] == [ids for _, ids in full]
-    print(f"identical to an uninterrupted run: {'yes' if identical else 'NO'}")
-    return 0 if identical else 1
-
+    print(f"crashed after step {len(before)}, resumed from its checkpoint: {len(after)} more "
+          "steps")
+    return 0 if report([ids for _, ids in full], [ids for _, ids in before],
+                       [ids for _, ids in after]) else 1
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,18 +12,17 @@ It prints both streams side by side and whether 2 + 3 equals 1.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
-import tempfile
-import warnings
-from pathlib import Path
+from functools import partial
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from torch.utils.data import Dataset
 
 from lightning_loaders import ResumableLoader
+
+from _crash_resume import crash_and_resume, quiet, report, train
 
 
 class NoisyLine(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
@@ -56,38 +55,18 @@ class LineModel(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-class SimulatedCrash(RuntimeError):
-    pass
-
-
-class CrashAfterStep(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
-        if trainer.global_step == self.step:
-            raise SimulatedCrash(f"simulated crash after step {self.step}")
-
-
 def fit(args: argparse.Namespace, callbacks: list[Callback], ckpt_path: str | None = None
         ) -> list[list[int]]:
+    """One training run; the dataset indices of every batch it trained on."""
     model = LineModel()
     loader = ResumableLoader(NoisyLine(args.samples), batch_size=args.batch_size, shuffle=True,
                              seed=42, num_workers=args.num_workers)
-    trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=1, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=callbacks, enable_checkpointing=any(
-                            isinstance(c, ModelCheckpoint) for c in callbacks))
-    try:
-        trainer.fit(model, loader, ckpt_path=ckpt_path)
-    except SimulatedCrash:
-        pass
+    train(model, args.epochs, callbacks, ckpt_path, train_dataloaders=loader)
     return model.seen
 
 
 def main() -> int:
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message=".*ckpt_path.*callbacks used to create")
+    quiet()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=103)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -96,24 +75,13 @@ def main() -> int:
     parser.add_argument("--crash-at-step", type=int, default=17)
     args = parser.parse_args()
 
-    full = fit(args, [])
-    with tempfile.TemporaryDirectory() as tmp:
-        every_step = ModelCheckpoint(dirpath=tmp, every_n_train_steps=1, save_top_k=-1,
-                                     filename="{step}")
-        before = fit(args, [every_step, CrashAfterStep(args.crash_at_step)])
-        last = Path(tmp) / f"step={args.crash_at_step}.ckpt"
-        after = fit(args, [], ckpt_path=str(last))
-
+    full, before, after = crash_and_resume(partial(fit, args), args.crash_at_step)
     per_epoch = len(full) // args.epochs
     epoch, batch = divmod(len(before), per_epoch)
-    print(f"uninterrupted run:      {len(full)} batches ({args.epochs} epochs x {per_epoch})")
-    print(f"batches before crash:   {len(before)} (crashed in epoch {epoch} after batch {batch})")
-    print(f"batches after resume:   {len(after)} (resumed from {last.name})")
-    print(f"first batch after resume: {after[0]}")
-    print(f"uninterrupted run there:  {full[len(before)]}")
-    identical = before + after == full
-    print(f"identical to an uninterrupted run: {'yes' if identical else 'NO'}")
-    return 0 if identical else 1
+    print(f"uninterrupted run:       {len(full)} batches ({args.epochs} epochs x {per_epoch})")
+    print(f"crashed in epoch {epoch} after batch {batch}; resumed from the checkpoint of step "
+          f"{args.crash_at_step}")
+    return 0 if report(full, before, after) else 1
 
 
 if __name__ == "__main__":
