@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from lightning_loaders._fetch import SampleFetchError
 from lightning_loaders._hashing import seed32
+from lightning_loaders._loader_base import DeliveringIterator
 from lightning_loaders.context import set_sample
 from lightning_loaders.distributed import resolve_device, resolve_rank_world
 from lightning_loaders.order import SampleOrder, SequentialOrder, ShuffledOrder
@@ -205,7 +206,7 @@ class DALILoader:
     def __iter__(self) -> Iterator[Any]:
         """A new iterator. Cheap: the epoch and the pipeline start at its first ``next()``."""
         self._iter_token += 1
-        return _DaliIterator(self, self._iter_token)
+        return DeliveringIterator(self, self._iter_token)
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (equal on every rank)."""
@@ -466,28 +467,6 @@ class DALILoader:
         if sampler is not None:
             return order_from_sampler(sampler, n, self.seed)
         return ShuffledOrder(n, self.seed) if shuffle else SequentialOrder(n)
-
-
-class _DaliIterator:
-    """Counts a batch when it is handed to the caller, never when DALI prefetches it."""
-
-    def __init__(self, loader: DALILoader, token: int) -> None:
-        self._loader = loader
-        self._token = token
-        self._batches: Iterator[Any] | None = None
-
-    def __iter__(self) -> _DaliIterator:
-        return self
-
-    def __next__(self) -> Any:
-        loader = self._loader
-        if loader._iter_token != self._token:
-            raise RuntimeError("this iterator was replaced by a newer iter() on its loader")
-        if self._batches is None:
-            self._batches = loader._begin_epoch()
-        batch = next(self._batches)
-        loader.schedule.delivered()
-        return batch
 
 
 class _DaliSchedule(MapSchedule):

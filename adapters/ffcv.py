@@ -33,6 +33,7 @@ import torch
 
 from lightning_loaders._fetch import BatchRequest
 from lightning_loaders._lightning import batches_held, find_prefetcher
+from lightning_loaders._loader_base import DeliveringIterator
 from lightning_loaders.distributed import resolve_device
 from lightning_loaders.loader import _EpochSampler
 from lightning_loaders.order import SampleOrder, SequentialOrder, ShuffledOrder
@@ -342,7 +343,7 @@ class FFCVLoader:
         """A new iterator. Free: the epoch and the FFCV loader start at its first ``next()``."""
         self._iter_token += 1
         self._prefetcher = find_prefetcher()
-        return _FFCVIterator(self, self._iter_token)
+        return DeliveringIterator(self, self._iter_token)
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (equal on every rank)."""
@@ -483,25 +484,3 @@ def _planned_order(order: Any, n: int, seed: int) -> SampleOrder:
     raise TypeError(f"order must be 'sequential', 'random', an ffcv OrderOption or a "
                     f"lightning_loaders SampleOrder, got {order!r} (custom TraversalOrder classes "
                     "cannot be planned: wrap the order in a SampleOrder)")
-
-
-class _FFCVIterator:
-    """Counts a batch when it is handed to the caller, never when FFCV prefetches it."""
-
-    def __init__(self, loader: FFCVLoader, token: int) -> None:
-        self._loader = loader
-        self._token = token
-        self._batches: Iterator[tuple[Any, ...]] | None = None
-
-    def __iter__(self) -> _FFCVIterator:
-        return self
-
-    def __next__(self) -> tuple[Any, ...]:
-        loader = self._loader
-        if loader._iter_token != self._token:
-            raise RuntimeError("this iterator was replaced by a newer iter() on its loader")
-        if self._batches is None:
-            self._batches = loader._begin_epoch()
-        batch = next(self._batches)
-        loader.schedule.delivered()
-        return batch

@@ -69,7 +69,6 @@ import logging
 import os
 import traceback
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -78,28 +77,24 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
+from torch.utils.data import Dataset, IterableDataset, Sampler, default_collate
 from torch.utils.data import get_worker_info as torch_worker_info
 
-from lightning_loaders._checks import check_loader_arguments, check_picklable, start_method
+from lightning_loaders._faults import OnError
 from lightning_loaders._hashing import mix64
-from lightning_loaders._lightning import batches_held, find_prefetcher
-from lightning_loaders._workers import WorkerLost, WorkerPool, WorkerStalled, shutdown
+from lightning_loaders._lightning import batches_held
+from lightning_loaders._loader_base import WorkerLoader, check_current
+from lightning_loaders._workers import WorkerLost, WorkerStalled
 from lightning_loaders.context import _seeded_fetch
 from lightning_loaders.distributed import resolve_rank_world
 from lightning_loaders.errors import (
     SampleFetchError,
-    WorkerCrashedError,
-    WorkerTimeoutError,
-    describe_exit,
 )
-from lightning_loaders.loader import _passthrough, _WorkerStart
 from lightning_loaders.permutation import KeyedPermutation
 from lightning_loaders.plan import LastBatch, rollover_span
 from lightning_loaders.schedule import (
     following_epoch,
     resolve_last_batch,
-    resolve_seed,
     trainer_moved_on,
 )
 from lightning_loaders.shards import ShardedSource, _PlainStream
@@ -994,7 +989,7 @@ def _agree_min(value: int) -> int:
 # -- the loader --------------------------------------------------------------------------------
 
 
-class ResumableIterableLoader:
+class ResumableIterableLoader(WorkerLoader):
     """A deterministic, sharded, exactly resumable loader over an iterable dataset.
 
     ``ResumableLoader(dataset, ...)`` returns one when ``dataset`` is a
@@ -1040,7 +1035,7 @@ class ResumableIterableLoader:
         last_batch: LastBatch | None = None,
         rank: int | None = None,
         world_size: int | None = None,
-        on_error: str = "raise",
+        on_error: OnError = "raise",
         max_worker_restarts: int = 3,
         evaluation: bool = False,
         shuffle_buffer: int = 0,
@@ -1050,13 +1045,15 @@ class ResumableIterableLoader:
             raise ValueError("an iterable dataset takes no sampler or batch_sampler (as in "
                              "DataLoader): the plan decides the order; shuffle shards with "
                              "shuffle=True and mix samples with shuffle_buffer")
-        check_loader_arguments(
-            batch_size=batch_size, num_workers=num_workers, timeout=timeout,
-            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-            collate_fn=collate_fn, worker_init_fn=worker_init_fn,
-            multiprocessing_context=multiprocessing_context, on_error=on_error,
+        self.last_batch: LastBatch = resolve_last_batch(last_batch, drop_last)
+        self._take_options(
+            dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
+            pin_memory=pin_memory, drop_last=self.last_batch == "drop", timeout=timeout,
+            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+            generator=generator, prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
+            in_order=in_order, seed=seed, on_error=on_error,
             max_worker_restarts=max_worker_restarts)
-        assert batch_size is not None
         if on_error != "raise":
             raise ValueError(f"on_error={on_error!r} is not supported for iterable datasets: a "
                              "shard iterator that raised cannot go on past the failing sample; "
@@ -1065,12 +1062,8 @@ class ResumableIterableLoader:
                                  ("sync_interval", sync_interval, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        if not in_order:
-            warnings.warn("in_order=False is ignored: exact resume needs batches in plan order",
-                          stacklevel=2)
         source = dataset if isinstance(dataset, ShardedSource) else _PlainStream(dataset)
         strided = isinstance(source, _PlainStream)
-        self.last_batch: LastBatch = resolve_last_batch(last_batch, drop_last)
         lengths = source.shard_lengths
         if not source.shards:
             raise ValueError(f"{type(dataset).__name__} declares no shards")
@@ -1086,50 +1079,20 @@ class ResumableIterableLoader:
         if shuffle and strided and shuffle_buffer == 0:
             raise ValueError(f"shuffle=True on a plain {type(dataset).__name__} (no shards to "
                              "reorder) needs shuffle_buffer > 0 to mix samples")
-        self.dataset = dataset
-        self.batch_size = batch_size
         self.shuffle = bool(shuffle)
-        self.num_workers = num_workers
-        self.collate_fn = collate_fn
-        self.pin_memory = pin_memory
-        self.drop_last = self.last_batch == "drop"
-        self.timeout = timeout
-        self.worker_init_fn = worker_init_fn
-        self.multiprocessing_context = multiprocessing_context
-        self.generator = generator
-        self.prefetch_factor = prefetch_factor
-        self.persistent_workers = num_workers > 0 and persistent_workers is not False
-        self.pin_memory_device = pin_memory_device
-        self.seed = resolve_seed(seed, generator)
         self.shuffle_buffer = shuffle_buffer
         self.sync_interval = sync_interval
-        self.max_worker_restarts = max_worker_restarts
-        if num_workers > 0:
-            check_picklable(start_method(multiprocessing_context), dataset=dataset,
-                            collate_fn=collate_fn, worker_init_fn=worker_init_fn)
         config = _PlanConfig(None if lengths is None else tuple(lengths), len(source.shards),
-                             strided, batch_size, self.last_batch, self.shuffle, self.seed,
+                             strided, self.batch_size, self.last_batch, self.shuffle, self.seed,
                              merge_short_tail=evaluation and not strided)
         slots = max(1, num_workers)
         self.schedule = _IterableSchedule(config, slots, max(1, shuffle_buffer),
                                           source.fingerprint, rank, world_size)
         self.sampler = _EpochSampler(self.schedule)
         self._fetcher = _SlotFetcher(source, config, slots, max(1, shuffle_buffer), collate_fn)
-        self._iter_token = 0
-        self._prefetcher: weakref.ref[Any] | None = None
-        self._torch_loader: DataLoader[Any] | None = None
         self._warned_surplus = False
-        self._epoch_restarts = 0
-        self.worker_restarts = 0
-        """Worker restarts after crashes in this process (all epochs)."""
 
     # -- the DataLoader surface -------------------------------------------------------------
-
-    def __iter__(self) -> Iterator[Any]:
-        """A new iterator. Cheap: the epoch and the workers start at its first ``next()``."""
-        self._iter_token += 1
-        self._prefetcher = find_prefetcher()
-        return _IterableLoaderIterator(self, self._iter_token)
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (equal on every rank); ``TypeError`` when the
@@ -1149,15 +1112,6 @@ class ResumableIterableLoader:
                 f"num_workers={self.num_workers}, rank={rank}/{world_size}, seed={self.seed}, "
                 f"epoch={epoch}, batches={schedule.batches})")
 
-    @property
-    def epoch(self) -> int | None:
-        """The epoch being delivered (``None`` before the first batch)."""
-        return self.schedule.epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Record the trainer's epoch (see ``ResumableLoader.set_epoch``)."""
-        self.schedule.set_epoch(epoch)
-
     def state_dict(self) -> dict[str, Any]:
         """The cursor as a plain dict; with unknown lengths every rank's slot positions,
         gathered from all ranks (every rank must call it, as Lightning does)."""
@@ -1168,27 +1122,16 @@ class ResumableIterableLoader:
         self.schedule.load_state_dict(state_dict)
 
     def close(self) -> None:
-        """Shut the worker processes down now (they also stop when the loader is collected)."""
-        loader, self._torch_loader = self._torch_loader, None
-        shutdown(getattr(loader, "_iterator", None))
+        """Shut the worker processes (and, without workers, the open shards) down now; they
+        also stop when the loader is collected. Iterating again continues from the cursor."""
+        super().close()
         self._fetcher.close()
 
-    def __enter__(self) -> ResumableIterableLoader:
-        return self
+    def _new_iterator(self, token: int) -> _IterableLoaderIterator:
+        return _IterableLoaderIterator(self, token)
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    @property
-    def _iterator(self) -> None:
-        """Lightning's loop teardown stops a loader's workers by setting
-        ``loader._iterator = None``: that closes this loader."""
-        return None
-
-    @_iterator.setter
-    def _iterator(self, value: object) -> None:
-        if value is None:
-            self.close()
+    def _position(self) -> int:
+        return self.schedule.received_batches
 
     # -- delivery ---------------------------------------------------------------------------
 
@@ -1220,38 +1163,7 @@ class ResumableIterableLoader:
                 self._recover(lost)
                 schedule.restart_after_received()
             except WorkerStalled as stalled:
-                self.close()
-                rank, epoch = schedule.placement[0], schedule.epoch
-                batch = schedule.received_batches
-                raise WorkerTimeoutError(
-                    f"DataLoader worker {stalled.worker} (pid {stalled.pid}) stalled: batch "
-                    f"{batch} of epoch {epoch} on rank {rank} did not arrive within timeout="
-                    f"{stalled.timeout} s. See what that process is doing (e.g. py-spy dump "
-                    "--pid PID), or raise timeout", worker=stalled.worker, pid=stalled.pid,
-                    timeout=stalled.timeout, epoch=epoch, batch=batch, rank=rank) from None
-
-    def _recover(self, lost: WorkerLost) -> None:
-        """Stop every worker (new ones start from the cursor), or raise past the budget."""
-        self.close()
-        worker, pid, exitcode = lost.workers[0]
-        schedule = self.schedule
-        rank, epoch, batch = schedule.placement[0], schedule.epoch, schedule.received_batches
-        what = (f"DataLoader worker {worker} (pid {pid}) {describe_exit(exitcode)} with batch "
-                f"{batch} of epoch {epoch} due next on rank {rank}")
-        if self._epoch_restarts >= self.max_worker_restarts:
-            fix = (f"gave up after {self._epoch_restarts} restarts in this epoch "
-                   f"(max_worker_restarts={self.max_worker_restarts})"
-                   if self.max_worker_restarts else
-                   "worker recovery is off (max_worker_restarts=0): set it >= 1 to restart the "
-                   "workers from the cursor and continue")
-            raise WorkerCrashedError(f"{what}; {fix}", worker=worker, pid=pid,
-                                     exitcode=exitcode, epoch=epoch, batch=batch, rank=rank,
-                                     restarts=self._epoch_restarts) from None
-        self._epoch_restarts += 1
-        self.worker_restarts += 1
-        _log.warning("%s; restarting %d workers from the cursor (restart %d of at most %d in "
-                     "this epoch)", what, self.num_workers, self._epoch_restarts,
-                     self.max_worker_restarts)
+                raise self._stall_error(stalled) from None
 
     def _agreed(self, items: Iterator[_Delivered]) -> Iterator[tuple[_Delivered, bool]]:
         """Unknown lengths under DDP: deliver only batches every rank has.
@@ -1283,32 +1195,11 @@ class ResumableIterableLoader:
 
     def _workers(self) -> Iterator[_Delivered | _SlotEnd]:
         """torch's DataLoader over the current generation's requests (workers persistent)."""
-        if self._torch_loader is None:
-            rank, world_size = self.schedule.placement
-            extra: dict[str, Any] = {}
-            if self.num_workers > 0:
-                prefetch = self.prefetch_factor
-                if self.schedule.synced:  # the ranks agree on batches already in hand
-                    prefetch = max(prefetch or 2, -(-self.sync_interval // self.num_workers))
-                extra = {"prefetch_factor": prefetch,
-                         "persistent_workers": self.persistent_workers}
-            if self.pin_memory_device:
-                extra["pin_memory_device"] = self.pin_memory_device
-            self._torch_loader = WorkerPool(
-                self._fetcher,
-                batch_size=None,
-                sampler=_RequestSampler(self.schedule, self.num_workers > 0),
-                num_workers=self.num_workers,
-                collate_fn=_passthrough,
-                pin_memory=self.pin_memory,
-                timeout=self.timeout,
-                worker_init_fn=_WorkerStart(self.worker_init_fn, self.num_workers, rank,
-                                            world_size, self.schedule.epoch or 0, self.seed),
-                multiprocessing_context=self.multiprocessing_context,
-                generator=torch.Generator().manual_seed(mix64(self.seed, rank) >> 1),
-                **extra,
-            )
-        return iter(self._torch_loader)
+        prefetch = self.prefetch_factor
+        if self.num_workers > 0 and self.schedule.synced:  # ranks agree on batches in hand
+            prefetch = max(prefetch or 2, -(-self.sync_interval // self.num_workers))
+        sampler = _RequestSampler(self.schedule, self.num_workers > 0)
+        return iter(self._worker_pool(self._fetcher, sampler, prefetch))
 
 
 class _IterableLoaderIterator:
@@ -1325,8 +1216,7 @@ class _IterableLoaderIterator:
 
     def __next__(self) -> Any:
         loader = self._loader
-        if loader._iter_token != self._token:
-            raise RuntimeError("this iterator was replaced by a newer iter() on its loader")
+        check_current(loader, self._token)
         if self._batches is None:
             if self._started:  # after an error: go on from the cursor
                 loader.schedule.restart()

@@ -14,33 +14,22 @@ leaves the cursor on the failing batch; ``close()`` at any point loses nothing.
 from __future__ import annotations
 
 import logging
-import os
-import warnings
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, get_worker_info
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
-from lightning_loaders._checks import check_loader_arguments, check_picklable, start_method
 from lightning_loaders._faults import Failed, OnError, Skipped, SkippedSample
 from lightning_loaders._fetch import BatchFetcher, BatchRequest
-from lightning_loaders._hashing import mix64
-from lightning_loaders._lightning import batches_held, find_prefetcher
-from lightning_loaders._workers import WorkerLost, WorkerPool, WorkerStalled, shutdown
-from lightning_loaders.context import WorkerInfo, _set_worker
-from lightning_loaders.errors import (
-    WorkerCrashedError,
-    WorkerInitError,
-    WorkerTimeoutError,
-    describe_exit,
-)
+from lightning_loaders._lightning import batches_held
+from lightning_loaders._loader_base import WorkerLoader, check_current
+from lightning_loaders._workers import WorkerLost, WorkerStalled, shutdown
 from lightning_loaders.order import SampleOrder, SequentialOrder, ShuffledOrder
 from lightning_loaders.plan import LastBatch
 from lightning_loaders.samplers import order_from_sampler
-from lightning_loaders.schedule import MapSchedule, resolve_last_batch, resolve_seed
+from lightning_loaders.schedule import MapSchedule, resolve_last_batch
 
 __all__ = ["ResumableLoader"]
 
@@ -49,7 +38,7 @@ _SKIPPED = "skipped"  # state["extra"] key: samples skipped under on_error="skip
 _NOTHING = object()  # a batch whose samples were all skipped: nothing to deliver
 
 
-class ResumableLoader:
+class ResumableLoader(WorkerLoader):
     """A deterministic, distributed, exactly resumable ``torch.utils.data.DataLoader``.
 
     Takes ``DataLoader``'s keyword arguments, plus:
@@ -142,69 +131,36 @@ class ResumableLoader:
             sampler = batch_sampler.sampler  # type: ignore[assignment]
             batch_size = batch_sampler.batch_size
             drop_last = batch_sampler.drop_last
-        check_loader_arguments(
-            batch_size=batch_size, num_workers=num_workers, timeout=timeout,
-            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-            collate_fn=collate_fn, worker_init_fn=worker_init_fn,
-            multiprocessing_context=multiprocessing_context, on_error=on_error,
+        self.last_batch: LastBatch = resolve_last_batch(last_batch, drop_last)
+        self._take_options(
+            dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
+            pin_memory=pin_memory, drop_last=self.last_batch == "drop", timeout=timeout,
+            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+            generator=generator, prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
+            in_order=in_order, seed=seed, on_error=on_error,
             max_worker_restarts=max_worker_restarts)
-        assert batch_size is not None
         if sampler is not None and shuffle:
             raise ValueError("shuffle=True cannot be combined with a sampler: the sampler "
                              "decides the order (drop shuffle, or drop the sampler)")
-        self.last_batch: LastBatch = resolve_last_batch(last_batch, drop_last)
-        if not in_order:
-            warnings.warn("in_order=False is ignored: exact resume needs batches in plan order",
-                          stacklevel=2)
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.num_workers = num_workers
-        self.collate_fn = collate_fn
-        self.pin_memory = pin_memory
-        self.drop_last = self.last_batch == "drop"
-        self.timeout = timeout
-        self.worker_init_fn = worker_init_fn
-        self.multiprocessing_context = multiprocessing_context
-        self.generator = generator
-        self.prefetch_factor = prefetch_factor
-        self.persistent_workers = num_workers > 0 and persistent_workers is not False
-        self.pin_memory_device = pin_memory_device
-        self.seed = resolve_seed(seed, generator)
-        self.on_error: OnError = on_error
-        self.max_worker_restarts = max_worker_restarts
         if len(dataset) < 1:
             raise ValueError(f"the dataset ({type(dataset).__name__}) is empty: len() is 0; a "
                              "loader needs at least one sample (check its path or filter)")
-        if num_workers > 0:
-            check_picklable(start_method(multiprocessing_context), dataset=dataset,
-                            collate_fn=collate_fn, worker_init_fn=worker_init_fn)
         order = self._make_order(sampler, bool(shuffle), len(dataset))
-        self.schedule = MapSchedule(order, batch_size, self.last_batch, self.seed, rank,
+        self.schedule = MapSchedule(order, self.batch_size, self.last_batch, self.seed, rank,
                                     world_size, merge_short_tail=evaluation)
         _check_plan(self.schedule)
         self.sampler = _EpochSampler(self.schedule)
         self.batch_sampler: Any = None  # DataLoader's surface: Lightning's evaluation reads it
-        self._iter_token = 0
-        self._prefetcher: weakref.ref[Any] | None = None
         self._batch_fetcher: BatchFetcher | None = None
-        self._torch_loader: DataLoader[Any] | None = None
         self._active: Iterator[Any] | None = None  # the iterator delivering now
         self._generation = 0  # bumped by close(): iterators then reopen from the cursor
-        self._epoch_restarts = 0
-        self.worker_restarts = 0
-        """Worker restarts after crashes in this process (all epochs)."""
         self.skipped: list[SkippedSample] = []
         """Samples skipped under ``on_error="skip"`` in this process, in delivery order."""
         self._num_skipped = 0
         self._recent_skips: deque[int] = deque(maxlen=8)  # per delivered batch, newest last
 
     # -- the DataLoader surface -------------------------------------------------------------
-
-    def __iter__(self) -> Iterator[Any]:
-        """A new iterator. Cheap: the epoch and the workers start at its first ``next()``."""
-        self._iter_token += 1
-        self._prefetcher = find_prefetcher()
-        return _LoaderIterator(self, self._iter_token)
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (equal on every rank)."""
@@ -219,16 +175,6 @@ class ResumableLoader:
                 f"{schedule.order.fingerprint}, last_batch={self.last_batch!r}, num_workers="
                 f"{self.num_workers}, rank={rank}/{world_size}, seed={self.seed}, epoch={epoch}, "
                 f"batches={schedule.batches})")
-
-    @property
-    def epoch(self) -> int | None:
-        """The epoch being delivered (``None`` before the first batch)."""
-        return self.schedule.epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Ask for ``epoch`` at the next epoch start; a restored cursor wins over an earlier
-        or equal epoch, a later one abandons the cursor's unfinished epoch."""
-        self.schedule.set_epoch(epoch)
 
     @property
     def skipped_indices(self) -> list[int]:
@@ -270,27 +216,15 @@ class ResumableLoader:
         from the cursor.
         """
         active, self._active = self._active, None
-        loader, self._torch_loader = self._torch_loader, None
         self._generation += 1
         shutdown(active)
-        shutdown(getattr(loader, "_iterator", None))
+        super().close()
 
-    def __enter__(self) -> ResumableLoader:
-        return self
+    def _new_iterator(self, token: int) -> _LoaderIterator:
+        return _LoaderIterator(self, token)
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    @property
-    def _iterator(self) -> None:
-        """Lightning's loop teardown (end of ``fit``, exceptions, Ctrl-C, SIGTERM) stops a
-        loader's workers by setting ``loader._iterator = None``: that closes this loader."""
-        return None
-
-    @_iterator.setter
-    def _iterator(self, value: object) -> None:
-        if value is None:
-            self.close()
+    def _position(self) -> int:
+        return self.schedule.batches
 
     def _begin_epoch(self) -> None:
         """Decide which epoch and batch come next."""
@@ -345,70 +279,10 @@ class ResumableLoader:
         self._recent_skips.append(len(item.skipped))
         return item.batch
 
-    def _recover(self, lost: WorkerLost) -> None:
-        """Replace crashed workers (the next ``_open`` restarts from the cursor), or raise."""
-        self.close()
-        worker, pid, exitcode = lost.workers[0]
-        schedule = self.schedule
-        rank, epoch, batch = schedule.placement[0], schedule.epoch, schedule.batches
-        what = (f"DataLoader worker {worker} (pid {pid}) {describe_exit(exitcode)} with batch "
-                f"{batch} of epoch {epoch} due next on rank {rank}")
-        if len(lost.workers) > 1:
-            what += f" (also dead: {[(w, p) for w, p, _ in lost.workers[1:]]} as (worker, pid))"
-        if self._epoch_restarts >= self.max_worker_restarts:
-            if self.max_worker_restarts == 0:
-                fix = ("worker recovery is off (max_worker_restarts=0): set max_worker_restarts "
-                       ">= 1 to restart the workers from the cursor and continue")
-            else:
-                fix = (f"gave up after {self._epoch_restarts} restarts in this epoch "
-                       f"(max_worker_restarts={self.max_worker_restarts}): look at the "
-                       "workers' memory use, or at the samples of that batch")
-            raise WorkerCrashedError(f"{what}; {fix}", worker=worker, pid=pid,
-                                     exitcode=exitcode, epoch=epoch, batch=batch, rank=rank,
-                                     restarts=self._epoch_restarts) from None
-        self._epoch_restarts += 1
-        self.worker_restarts += 1
-        _log.warning("%s; restarting %d workers from the cursor (restart %d of at most %d in "
-                     "this epoch)", what, self.num_workers, self._epoch_restarts,
-                     self.max_worker_restarts)
-
-    def _stall_error(self, stalled: WorkerStalled) -> WorkerTimeoutError:
-        """The error for a batch later than ``timeout`` (workers are stopped first)."""
-        self.close()
-        schedule = self.schedule
-        rank, epoch, batch = schedule.placement[0], schedule.epoch, schedule.batches
-        return WorkerTimeoutError(
-            f"DataLoader worker {stalled.worker} (pid {stalled.pid}) stalled: batch {batch} of "
-            f"epoch {epoch} on rank {rank} did not arrive within timeout={stalled.timeout} s. "
-            "See what that process is doing (e.g. py-spy dump --pid PID), or raise timeout",
-            worker=stalled.worker, pid=stalled.pid, timeout=stalled.timeout, epoch=epoch,
-            batch=batch, rank=rank)
-
     def _workers(self) -> DataLoader[Any]:
         """torch's DataLoader over our batch requests (created once, workers persistent)."""
-        if self._torch_loader is None:
-            rank, world_size = self.schedule.placement
-            extra: dict[str, Any] = {}
-            if self.num_workers > 0:
-                extra = {"prefetch_factor": self.prefetch_factor,
-                         "persistent_workers": self.persistent_workers}
-            if self.pin_memory_device:
-                extra["pin_memory_device"] = self.pin_memory_device
-            self._torch_loader = WorkerPool(
-                self._fetcher(),
-                batch_size=None,
-                sampler=_RequestSampler(self.schedule),
-                num_workers=self.num_workers,
-                collate_fn=_passthrough,
-                pin_memory=self.pin_memory,
-                timeout=self.timeout,
-                worker_init_fn=_WorkerStart(self.worker_init_fn, self.num_workers, rank,
-                                            world_size, self.schedule.epoch or 0, self.seed),
-                multiprocessing_context=self.multiprocessing_context,
-                generator=torch.Generator().manual_seed(mix64(self.seed, rank) >> 1),
-                **extra,
-            )
-        return self._torch_loader
+        return self._worker_pool(self._fetcher(), _RequestSampler(self.schedule),
+                                 self.prefetch_factor)
 
     # -- configuration ----------------------------------------------------------------------
 
@@ -436,8 +310,7 @@ class _LoaderIterator:
 
     def __next__(self) -> Any:
         loader = self._loader
-        if loader._iter_token != self._token:
-            raise RuntimeError("this iterator was replaced by a newer iter() on its loader")
+        check_current(loader, self._token)
         if not self._started:
             loader._begin_epoch()
             self._started = True
@@ -504,42 +377,6 @@ class _RequestSampler(Sampler[BatchRequest]):
 
     def __len__(self) -> int:
         return self._schedule.remaining
-
-
-class _WorkerStart:
-    """``worker_init_fn`` wrapper: publishes ``WorkerInfo`` and calls the user's function."""
-
-    def __init__(self, user_fn: Callable[[int], None] | None, num_workers: int, rank: int,
-                 world_size: int, epoch: int, seed: int) -> None:
-        self.user_fn = user_fn
-        self.num_workers, self.rank, self.world_size = num_workers, rank, world_size
-        self.epoch, self.seed = epoch, seed
-
-    def __call__(self, worker_id: int) -> None:
-        torch_info = get_worker_info()
-        fetcher = torch_info.dataset if torch_info else None
-        info = WorkerInfo(worker_id, num_workers=self.num_workers, rank=self.rank,
-                          world_size=self.world_size, epoch=self.epoch, seed=self.seed,
-                          dataset=getattr(fetcher, "dataset", None))
-        _set_worker(info)
-        if self.user_fn is None:
-            return
-        try:
-            self.user_fn(info)
-        except Exception as exc:
-            pid = os.getpid()
-            error = WorkerInitError(
-                f"{type(exc).__name__} in worker_init_fn of worker {worker_id} (pid {pid}) on "
-                f"rank {self.rank}: {exc}", worker=worker_id, pid=pid, rank=self.rank,
-                cause_type=type(exc).__name__)
-            if not isinstance(fetcher, BatchFetcher):
-                raise error from exc
-            error.__cause__ = exc
-            fetcher.init_failure = Failed(error)  # every batch of this worker reports it
-
-
-def _passthrough(batch: Any) -> Any:
-    return batch
 
 
 def _check_plan(schedule: MapSchedule) -> None:

@@ -22,7 +22,7 @@ from tests.lightning_harness import RecordingModule, make_trainer
 from tests.resume_harness import run_epochs
 from tests.scripts.chaos_train import TrainingZygote, read_log
 
-LOGGER = "lightning_loaders.loader"
+LOGGER = "lightning_loaders._loader_base"
 
 
 def indices(batch) -> list[int]:
