@@ -104,6 +104,7 @@ class WorkerLoader:
         self._iter_token = 0
         self._prefetcher: weakref.ref[Any] | None = None
         self._torch_loader: DataLoader[Any] | None = None
+        self._generation = 0  # bumped by close(): iterators then go on from the cursor
         self._epoch_restarts = 0
         self.worker_restarts = 0
         """Worker restarts after crashes in this process (all epochs)."""
@@ -133,6 +134,7 @@ class WorkerLoader:
         from the cursor.
         """
         loader, self._torch_loader = self._torch_loader, None
+        self._generation += 1
         shutdown(getattr(loader, "_iterator", None))
 
     def __enter__(self) -> Self:

@@ -307,6 +307,7 @@ class _IterableLoaderIterator:
         self._loader = loader
         self._token = token
         self._batches: Iterator[Any] | None = None
+        self._generation = -1
         self._started = False
 
     def __iter__(self) -> _IterableLoaderIterator:
@@ -315,13 +316,14 @@ class _IterableLoaderIterator:
     def __next__(self) -> Any:
         loader = self._loader
         check_current(loader, self._token)
-        if self._batches is None:
-            if self._started:  # after an error: go on from the cursor
+        if self._batches is None or self._generation != loader._generation:
+            if self._started:  # after an error or close(): go on from the cursor
                 loader.schedule.restart()
             else:
                 loader.schedule.begin_epoch()
                 loader._epoch_restarts = 0
                 self._started = True
+            self._generation = loader._generation
             self._batches = loader._deliver()
         try:
             return next(self._batches)

@@ -154,7 +154,6 @@ class ResumableLoader(WorkerLoader):
         self.batch_sampler: Any = None  # DataLoader's surface: Lightning's evaluation reads it
         self._batch_fetcher: BatchFetcher | None = None
         self._active: Iterator[Any] | None = None  # the iterator delivering now
-        self._generation = 0  # bumped by close(): iterators then reopen from the cursor
         self.skipped: list[SkippedSample] = []
         """Samples skipped under ``on_error="skip"`` in this process, in delivery order."""
         self._num_skipped = 0
@@ -216,7 +215,6 @@ class ResumableLoader(WorkerLoader):
         from the cursor.
         """
         active, self._active = self._active, None
-        self._generation += 1
         shutdown(active)
         super().close()
 

@@ -49,7 +49,8 @@ def test_a_newer_iter_replaces_older_iterators(make) -> None:
 @pytest.mark.parametrize("stop", ["close", "with", "lightning teardown"])
 @pytest.mark.parametrize("make", KINDS.values(), ids=KINDS.keys())
 def test_every_way_of_stopping_stops_the_workers_and_loses_nothing(make, stop: str) -> None:
-    expected = [batch for batch in make()]
+    with make(num_workers=2, multiprocessing_context="fork") as uninterrupted:
+        expected = list(uninterrupted)
     loader = make(num_workers=2, multiprocessing_context="fork")
     it = iter(loader)
     got = [next(it)]
