@@ -150,11 +150,11 @@ def _set_worker(info: WorkerInfo) -> None:
     _current_worker = info
 
 
-Afterwards = Literal["restore", "continue", "leave"]
+_Afterwards = Literal["restore", "continue", "leave"]
 
 
 @contextmanager
-def _seeded_global_rngs(*key: int, afterwards: Afterwards = "restore") -> Iterator[None]:
+def _seeded_global_rngs(*key: int, afterwards: _Afterwards = "restore") -> Iterator[None]:
     """Run a block with the ``random``, ``numpy`` and ``torch`` global RNGs seeded from ``key``.
 
     The seeds are ``mix64(*key, i)`` for ``i`` in 0, 1, 2 (32 bits for ``random`` and numpy),
