@@ -241,6 +241,13 @@ class ResumableLoader(WorkerLoader):
             self._active = iter(self._workers())
         return self._active
 
+    @property
+    def gathers_in_memory(self) -> bool:
+        """Whether batches are gathered from in-memory data (tensors, numeric arrays, ...) by
+        vectorised indexing in this process, whatever ``num_workers`` is."""
+        fetcher = self._fetcher()
+        return fetcher.in_memory and self._fetches_in_process(fetcher)
+
     def _fetches_in_process(self, fetcher: BatchFetcher) -> bool:
         """Without workers, or for in-memory data with no ``worker_init_fn``: a batch is then
         one vectorised gather, far cheaper than sending it from a worker process. Pinned

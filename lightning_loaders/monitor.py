@@ -267,7 +267,11 @@ def _stall_hints(trainer: pl.Trainer) -> list[str]:
     hints = []
     workers = getattr(loader, "num_workers", None)
     cpus = _available_cpus()
-    if workers == 0:
+    if getattr(loader, "gathers_in_memory", False):
+        hints.append("the data is in memory and every batch is one gather in the training "
+                     "process (worker processes would only add the cost of sending it): keep "
+                     "the tensors on the GPU and index them there, or use larger batches")
+    elif workers == 0:
         hints.append(f"num_workers=0 fetches every batch inside the training loop: load in "
                      f"worker processes, e.g. num_workers={max(1, min(cpus - 1, 8))} (this "
                      f"process can use {cpus} CPUs)")

@@ -26,6 +26,7 @@ from lightning_loaders.monitor import (
     DataStallWarning,
     _FetchTimer,
     _infer_batch_size,
+    _stall_hints,
 )
 
 BATCH = 4
@@ -147,6 +148,19 @@ def test_slow_data_is_reported_and_warned_about_once(tmp_path: Path, kind: str) 
         assert "__getitems__" not in messages[0]
     else:
         assert "give SlowSamples a __getitems__(indices)" in messages[0]
+
+
+def test_in_memory_data_gets_advice_that_fits_it(tmp_path: Path) -> None:
+    """Workers do not help a loader that gathers in-memory tensors: the hint says what does."""
+    in_memory = ResumableLoader(TensorDataset(torch.randn(16, 3)), batch_size=BATCH,
+                                num_workers=2)
+    per_sample = ResumableLoader(SlowSamples(16, 0.0), batch_size=BATCH, num_workers=2)
+    assert in_memory.gathers_in_memory and not per_sample.gathers_in_memory
+    for loader, expected, unexpected in ((in_memory, "index them there", "num_workers"),
+                                         (per_sample, "vectorised fetch", "index them there")):
+        trainer, _ = fit(tmp_path, loader, Model(), max_steps=2)
+        hints = "\n".join(_stall_hints(trainer))
+        assert expected in hints and unexpected not in hints
 
 
 def test_values_are_logged_at_the_trainers_cadence(tmp_path: Path) -> None:
