@@ -20,27 +20,31 @@ chosen by what is given:
 
 from __future__ import annotations
 
-import copy
-import functools
-import gc
-import inspect
 import math
-import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from itertools import repeat
-from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
-from lightning_loaders._fetch import SampleFetchError
 from lightning_loaders._hashing import seed32
 from lightning_loaders._loader_base import DeliveringIterator
-from lightning_loaders.context import set_sample
+from lightning_loaders.adapters._dali_engine import (
+    INSTALL_HINT,
+    Engine,
+    EngineBox,
+    Entry,
+    Placement,
+    Restore,
+    call_pipeline,
+    check_pipeline,
+    frozen_heap,
+    gather_entries,
+    import_dali,
+    shutdown_pipeline,
+)
+from lightning_loaders.adapters._dali_source import FileSamples, PlannedSource, batch_sizes
 from lightning_loaders.distributed import resolve_device, resolve_rank_world
 from lightning_loaders.order import SampleOrder, SequentialOrder, ShuffledOrder
 from lightning_loaders.plan import LastBatch
@@ -49,41 +53,9 @@ from lightning_loaders.schedule import MapSchedule, resolve_seed
 
 __all__ = ["INSTALL_HINT", "DALILoader", "FileSamples"]
 
-INSTALL_HINT = ("DALILoader needs NVIDIA DALI: pip install 'lightning-loaders[dali]' (or the "
-                "nvidia-dali-cudaXYZ wheel that matches your CUDA version)")
 _STATE_KEY = "dali"
 _POLICIES = ("keep", "drop", "pad")
 _DALI_POLICY = {"keep": "PARTIAL", "drop": "DROP", "pad": "FILL"}
-
-
-def _import_dali() -> tuple[Any, Any]:
-    """``(nvidia.dali.Pipeline, nvidia.dali.plugin.pytorch)``, or an ImportError with the hint."""
-    try:
-        from nvidia.dali import Pipeline
-        from nvidia.dali.plugin import pytorch as dali_torch
-    except ImportError as exc:
-        raise ImportError(INSTALL_HINT) from exc
-    return Pipeline, dali_torch
-
-
-class FileSamples:
-    """Files as samples for external-source mode: ``(encoded bytes as uint8, label as int64)``.
-
-    Feed the bytes to a DALI decoder (``fn.decoders.image``); labels default to the file index.
-    """
-
-    def __init__(self, paths: Sequence[str | Path], labels: Sequence[int] | None = None) -> None:
-        if labels is not None and len(labels) != len(paths):
-            raise ValueError(f"got {len(paths)} paths but {len(labels)} labels")
-        self.paths = [str(p) for p in paths]
-        self.labels = list(range(len(paths))) if labels is None else [int(x) for x in labels]
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        data = np.fromfile(self.paths[index], dtype=np.uint8)
-        return data, np.array(self.labels[index], dtype=np.int64)
 
 
 class DALILoader:
@@ -149,7 +121,7 @@ class DALILoader:
         batch_format: Literal["dict", "tuple"] = "dict",
         pipeline_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        _import_dali()
+        import_dali()
         if (reader_name is None) == (dataset is None):
             raise ValueError("give exactly one of reader_name= (reader mode) and dataset= "
                              f"(external-source mode); got reader_name={reader_name!r} and "
@@ -195,8 +167,8 @@ class DALILoader:
                                                              len(dataset)))
         self._pending_state: dict[str, Any] | None = None  # reader mode, before the schedule
         self._pending_epoch: int | None = None
-        self._restore: _Restore | None = None
-        self._engine = _EngineBox()
+        self._restore: Restore | None = None
+        self._engine = EngineBox()
         self._finalizer = weakref.finalize(self, self._engine.close)
         self._iter_token = 0
         self.sampler = _EpochSampler(weakref.ref(self))
@@ -264,7 +236,7 @@ class DALILoader:
         if self._restore is None:
             rank, world_size = self.schedule.placement
             engine = self._engine.engine
-            entries = _gather(engine.entry() if engine else None, rank, world_size)
+            entries = gather_entries(engine.entry() if engine else None, rank, world_size)
             state["extra"] = {**state.get("extra", {}), _STATE_KEY: entries}
         return state
 
@@ -275,7 +247,7 @@ class DALILoader:
             self._pending_state = dict(state_dict)
         else:
             self._schedule.load_state_dict(state_dict)
-        self._restore = _Restore(int(state_dict["world_size"]), entries)
+        self._restore = Restore(int(state_dict["world_size"]), entries)
 
     def close(self) -> None:
         """Shut the pipeline (and its source worker processes) down now; it is rebuilt on
@@ -299,7 +271,7 @@ class DALILoader:
         engine = self._seek(schedule, restore)
         return self._deliver(engine, schedule)
 
-    def _seek(self, schedule: MapSchedule, restore: _Restore | None) -> _Engine:
+    def _seek(self, schedule: MapSchedule, restore: Restore | None) -> Engine:
         """A pipeline whose next batch is the schedule's next one."""
         assert schedule.epoch is not None
         target = (schedule.epoch, schedule.batches)
@@ -325,16 +297,16 @@ class DALILoader:
         self._engine.engine = engine
         return engine
 
-    def _drain(self, engine: _Engine, target: tuple[int, int], epoch_len: int) -> None:
+    def _drain(self, engine: Engine, target: tuple[int, int], epoch_len: int) -> None:
         """Reader mode: read and discard batches up to ``target`` (DALI cannot seek)."""
         while engine.at < target:
             engine.next()
             engine.advance(last=engine.at[1] + 1 == epoch_len)
 
-    def _deliver(self, engine: _Engine, schedule: MapSchedule) -> Iterator[Any]:
+    def _deliver(self, engine: Engine, schedule: MapSchedule) -> Iterator[Any]:
         sizes: Iterator[int | None]
         if self.reader_name is None:
-            sizes = _batch_sizes(schedule)
+            sizes = batch_sizes(schedule)
         else:
             sizes = repeat(None, schedule.remaining)
         as_tuple = self.batch_format == "tuple"
@@ -348,7 +320,7 @@ class DALILoader:
                 batch = {name: batch[name][:size] for name in names}
             yield tuple(batch[name] for name in names) if as_tuple else batch
 
-    def _rebuild_at_cursor(self, schedule: MapSchedule) -> _Engine:
+    def _rebuild_at_cursor(self, schedule: MapSchedule) -> Engine:
         """External-source mode: the order changed mid-epoch (a re-weighted sampler), so the
         batches DALI prefetched are stale; start again at the cursor with the new order."""
         self._engine.close()
@@ -358,20 +330,20 @@ class DALILoader:
 
     # -- building ---------------------------------------------------------------------------
 
-    def _placement(self, fixed: tuple[int, int] | None = None) -> _Placement:
+    def _placement(self, fixed: tuple[int, int] | None = None) -> Placement:
         rank, world_size = fixed or resolve_rank_world(*self._explicit_placement)
         device = resolve_device(self.trainer, self.device)
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
-            return _Placement(rank, world_size, index)
+            return Placement(rank, world_size, index)
         if device.type != "cpu":
             raise ValueError(f"DALI runs on CPU or CUDA devices, got device {device}")
-        return _Placement(rank, world_size, None)
+        return Placement(rank, world_size, None)
 
-    def _build(self, placement: _Placement, schedule: MapSchedule | None,
-               entry: _Entry | None) -> _Engine:
+    def _build(self, placement: Placement, schedule: MapSchedule | None,
+               entry: Entry | None) -> Engine:
         """Build the user's pipeline for ``placement``, fresh or from a checkpoint ``entry``."""
-        _, dali_torch = _import_dali()
+        _, dali_torch = import_dali()
         context: dict[str, Any] = {"shard_id": placement.rank,
                                    "num_shards": placement.world_size,
                                    "device": "cpu" if placement.device_id is None else "gpu"}
@@ -379,7 +351,7 @@ class DALILoader:
             assert schedule is not None and schedule.epoch is not None
             at = (schedule.epoch, schedule.batches)
             seed = entry.seed if entry else seed32(self.seed, placement.rank, *at) >> 1
-            context["source"] = _PlannedSource(self.dataset, schedule,
+            context["source"] = PlannedSource(self.dataset, schedule,
                                                entry.iteration if entry else 0)
         else:
             at = (0, 0)
@@ -392,12 +364,12 @@ class DALILoader:
         if entry is not None:
             kwargs["checkpoint"] = entry.checkpoint
             at = entry.at
-        pipe = _call_pipeline(self.pipeline, kwargs, context)
-        _check_pipeline(pipe, self.batch_size)
+        pipe = call_pipeline(self.pipeline, kwargs, context)
+        check_pipeline(pipe, self.batch_size)
         policy: dict[str, Any] = {}
         meta: dict[str, Any] = {}
         try:
-            with _frozen_heap():  # building forks the source's worker processes
+            with frozen_heap():  # building forks the source's worker processes
                 pipe.build()
             if self.reader_name is not None:
                 meta = self._reader_meta(pipe, placement)
@@ -407,9 +379,9 @@ class DALILoader:
             iterator = dali_torch.DALIGenericIterator(pipe, self.output_map, auto_reset=False,
                                                       prepare_first_batch=False, **policy)
         except Exception:
-            _shutdown(pipe)
+            shutdown_pipeline(pipe)
             raise
-        engine = _Engine(pipe, iterator, placement, at, entry.iteration if entry else 0, seed,
+        engine = Engine(pipe, iterator, placement, at, entry.iteration if entry else 0, seed,
                          reader=self.reader_name is not None)
         engine.reader_meta = meta
         if schedule is not None:
@@ -422,7 +394,7 @@ class DALILoader:
                 raise
         return engine
 
-    def _reader_meta(self, pipe: Any, placement: _Placement) -> dict[str, Any]:
+    def _reader_meta(self, pipe: Any, placement: Placement) -> dict[str, Any]:
         try:
             meta = dict(pipe.reader_meta(self.reader_name))
         except Exception as exc:
@@ -439,7 +411,7 @@ class DALILoader:
                              "loader gives the pipeline function to the reader")
         return meta
 
-    def _check_reader(self, engine: _Engine, schedule: MapSchedule) -> None:
+    def _check_reader(self, engine: Engine, schedule: MapSchedule) -> None:
         """Reader mode: DALI's batch count must be the plan's, and no rank's batch empty."""
         n, shards = engine.reader_meta["epoch_size"], engine.reader_meta["number_of_shards"]
         planned = len(schedule)
@@ -480,88 +452,6 @@ class _DaliSchedule(MapSchedule):
         return {**super().fingerprint(), "dali": self.mode}
 
 
-class _Placement(NamedTuple):
-    """Where a pipeline was built for: rank, world size and CUDA device (``None``: CPU)."""
-
-    rank: int
-    world_size: int
-    device_id: int | None
-
-
-class _Entry:
-    """One rank's saved pipeline: DALI checkpoint, the cursor it stands at, iteration, seed."""
-
-    def __init__(self, raw: Mapping[str, Any]) -> None:
-        self.checkpoint: str = raw["checkpoint"]
-        self.at: tuple[int, int] = (int(raw["epoch"]), int(raw["batches"]))
-        self.iteration = int(raw["iteration"])
-        self.seed = int(raw["seed"])
-
-
-class _Restore:
-    """What ``load_state_dict`` brought for the pipeline: the saved world size and entries."""
-
-    def __init__(self, world_size: int, entries: Sequence[Mapping[str, Any] | None] | None):
-        self.world_size = world_size
-        self.entries = list(entries or [])
-
-    def entry(self, placement: _Placement) -> _Entry | None:
-        if placement.world_size != self.world_size or len(self.entries) != self.world_size:
-            return None
-        raw = self.entries[placement.rank]
-        return None if raw is None else _Entry(raw)
-
-
-class _Engine:
-    """A built pipeline and its DALI iterator; ``at`` is the cursor of the next batch."""
-
-    def __init__(self, pipe: Any, iterator: Any, placement: _Placement, at: tuple[int, int],
-                 iteration: int, seed: int, reader: bool) -> None:
-        self.pipe, self.iterator, self.placement = pipe, iterator, placement
-        self.at, self.iteration, self.seed, self.reader = at, iteration, seed, reader
-        self.reader_meta: dict[str, Any] = {}
-        self.order_version = 0
-        self._pid = os.getpid()
-
-    def next(self) -> dict[str, torch.Tensor]:
-        batch: dict[str, torch.Tensor] = next(self.iterator)[0]
-        self.iteration += 1
-        return batch
-
-    def advance(self, last: bool) -> None:
-        """Move ``at`` past the batch just read; at an epoch's end, reset DALI's reader now, so
-        a checkpoint taken on the last batch already stands at the next epoch's start."""
-        epoch, batches = self.at
-        if not last:
-            self.at = (epoch, batches + 1)
-            return
-        self.at = (epoch + 1, 0)
-        if self.reader:
-            self.iterator.reset()
-
-    def entry(self) -> dict[str, Any]:
-        return {"checkpoint": self.iterator.checkpoints()[0], "epoch": self.at[0],
-                "batches": self.at[1], "iteration": self.iteration, "seed": self.seed}
-
-    def close(self) -> None:
-        if os.getpid() != self._pid:
-            return  # a forked process's copy: the pipeline belongs to the parent
-        _shutdown(self.pipe)
-        self.iterator = self.pipe = None
-
-
-class _EngineBox:
-    """Holds the loader's engine so a finalizer can shut it down without holding the loader."""
-
-    def __init__(self) -> None:
-        self.engine: _Engine | None = None
-
-    def close(self) -> None:
-        engine, self.engine = self.engine, None
-        if engine is not None:
-            engine.close()
-
-
 class _EpochSampler:
     """What Lightning sees as ``loader.sampler``: forwards ``set_epoch`` (weakly, so a dropped
     loader and its pipeline go at once)."""
@@ -575,140 +465,3 @@ class _EpochSampler:
             loader.set_epoch(epoch)
 
 
-class _PlannedSource:
-    """The per-sample ``external_source`` callback: DALI's iteration -> our plan's sample.
-
-    Iteration ``first_iteration`` is the schedule's cursor when the pipeline was built; later
-    iterations walk on through the rest of that epoch and then through whole epochs. A batch
-    shorter than ``batch_size`` (the last, under ``keep``) is padded with its last sample and
-    trimmed by the loader. It holds no mutable state the loader shares: it runs in worker
-    processes, and it must give the same sample for the same iteration whenever it is asked.
-    """
-
-    def __init__(self, dataset: Any, schedule: MapSchedule, first_iteration: int) -> None:
-        assert schedule.plan is not None and schedule.epoch is not None
-        self.dataset = dataset
-        self.schedule = copy.copy(schedule)
-        self.rank, self.world_size = schedule.placement
-        self.first_iteration = first_iteration
-        self.epoch = schedule.epoch
-        self.plan = schedule.plan
-        self.first_batch = schedule.plan.num_batches - schedule.remaining
-        self.batch_offset = schedule.batches - self.first_batch
-        self.epoch_len = schedule.plan_for(schedule.epoch + 1, self.world_size).num_batches
-        self.seed = schedule.seed
-        self._last: tuple[int, int, int, list[int], list[int]] | None = None
-
-    def __call__(self, info: Any) -> Any:
-        try:
-            slot = info.idx_in_batch
-        except AttributeError:
-            raise TypeError("DALILoader's source gives one sample per call: use "
-                            "fn.external_source(source=source, batch=False, parallel=True)"
-                            ) from None
-        epoch, batch, positions, indices = self._request(info.iteration - self.first_iteration)
-        k = min(slot, len(indices) - 1)
-        index, position = indices[k], positions[k]
-        set_sample((self.seed, epoch, position, index, self.rank))
-        try:
-            return self.dataset[index]
-        except Exception as exc:
-            raise SampleFetchError(
-                f"{type(exc).__name__} in sample index {index} (epoch position {position}, "
-                f"batch {batch}) of epoch {epoch}, in DALI's external source on rank "
-                f"{self.rank}: {exc}"
-            ) from exc
-        finally:
-            set_sample(None)
-
-    def _request(self, step: int) -> tuple[int, int, list[int], list[int]]:
-        """``(epoch, batch, positions, indices)`` of the ``step``-th batch from the cursor."""
-        last = self._last
-        if last is not None and last[0] == step:
-            return last[1], last[2], last[3], last[4]
-        rest = self.plan.num_batches - self.first_batch
-        if step < rest:
-            epoch, plan, plan_batch = self.epoch, self.plan, self.first_batch + step
-            batch = self.batch_offset + plan_batch
-        else:
-            ahead, plan_batch = divmod(step - rest, self.epoch_len)
-            epoch = self.epoch + 1 + ahead
-            plan, batch = self.schedule.plan_for(epoch, self.world_size), plan_batch
-        positions = plan.positions(plan_batch, self.rank)
-        indices = self.schedule.order.indices(epoch, positions).tolist()
-        self._last = (step, epoch, batch, positions.tolist(), indices)
-        return epoch, batch, self._last[3], indices
-
-
-def _batch_sizes(schedule: MapSchedule) -> Iterator[int]:
-    """This rank's sizes of the current epoch's remaining batches (the plan's, no indices:
-    only the trim of a short batch needs them)."""
-    plan, rank = schedule.plan, schedule.placement[0]
-    assert plan is not None
-    for batch in range(plan.num_batches - schedule.remaining, plan.num_batches):
-        yield len(plan.positions(batch, rank))
-
-
-def _call_pipeline(pipeline: Callable[..., Any], kwargs: dict[str, Any],
-                   context: dict[str, Any]) -> Any:
-    """Call a ``@pipeline_def`` function (all ``Pipeline`` keywords, the context keywords it
-    declares) or a factory (the keywords it declares)."""
-    params = inspect.signature(pipeline).parameters
-    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    target = pipeline.func if isinstance(pipeline, functools.partial) else pipeline
-    declared = {k: v for k, v in context.items() if takes_all or k in params}
-    if getattr(target, "_is_pipeline_def", False):
-        return pipeline(**kwargs, **declared)
-    return pipeline(**{k: v for k, v in kwargs.items() if takes_all or k in params}, **declared)
-
-
-def _check_pipeline(pipe: Any, batch_size: int) -> None:
-    pipeline_type, _ = _import_dali()
-    if not isinstance(pipe, pipeline_type):
-        raise TypeError(f"the pipeline function must return a DALI Pipeline, got "
-                        f"{type(pipe).__name__}")
-    if pipe.max_batch_size != batch_size:
-        raise ValueError(f"the pipeline's batch_size is {pipe.max_batch_size}, the loader's "
-                         f"{batch_size}: let the factory pass batch_size on to the Pipeline")
-    if not getattr(pipe, "_enable_checkpointing", False):
-        raise ValueError("the pipeline was built without checkpointing: let the factory pass "
-                         "enable_checkpointing and checkpoint on to the Pipeline")
-
-
-def _shutdown(pipe: Any) -> None:
-    """Stop a pipeline's source worker processes and its executor now."""
-    pool = getattr(pipe, "_py_pool", None)
-    if pool is not None:
-        pool.close()
-    pipe._shutdown()
-
-
-@contextmanager
-def _frozen_heap() -> Iterator[None]:
-    """Keep every existing object out of garbage collection while worker processes fork.
-
-    A forked worker inherits the parent's uncollected garbage, for example an old loader that a
-    finished ``Trainer`` still holds in a reference cycle. Were the worker's collector to
-    finalize a DALI pipeline in it, the worker would die or hang mid-batch. Frozen objects are
-    never collected in the child; the parent unfreezes them at once.
-    """
-    if gc.get_freeze_count():  # someone else manages the frozen generation
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
-def _gather(entry: dict[str, Any] | None, rank: int, world_size: int) -> list[Any]:
-    """Every rank's entry, in rank order (only this rank's without a process group)."""
-    if world_size > 1 and dist.is_available() and dist.is_initialized() \
-            and dist.get_world_size() == world_size:
-        entries: list[Any] = [None] * world_size
-        dist.all_gather_object(entries, entry)
-        return entries
-    entries = [None] * world_size
-    entries[rank] = entry
-    return entries

@@ -44,7 +44,7 @@ class JpegFiles(Dataset[torch.Tensor]):
 
 
 def run(settings: Settings) -> Report:
-    count = settings.pick(256, 1024)
+    count = settings.pick(384, 1024)  # at least warm-up + timed batches in one epoch
     batches = settings.pick(5, 12)
     with tempfile.TemporaryDirectory(prefix="ll-bench-jpeg-") as directory:
         dataset = JpegFiles(write_jpegs(Path(directory), count, SIDE))
