@@ -1,0 +1,32 @@
+"""The benchmark suite runs end to end at its quick sizes and writes every table and plot.
+
+Speed is never asserted here (benchmarks/README.md holds the measured figures); this keeps
+``make bench`` from breaking unnoticed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.run_all import BENCHMARKS
+from tests.ddp_harness import REPO
+
+NEEDS = {"dali": "nvidia.dali", "ffcv": "ffcv"}  # optional extras, installed by CI
+
+
+def test_every_benchmark_writes_its_table_and_plot(tmp_path: Path) -> None:
+    names = [n for n in BENCHMARKS if n not in NEEDS or importlib.util.find_spec(NEEDS[n])]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run_all", "--quick", "--repeats", "1",
+         "--results", str(tmp_path), "--no-progress", "--only", *names],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    summary = (tmp_path / "summary.md").read_text()
+    for name in names:
+        table = (tmp_path / f"{name}.md").read_text()
+        assert table.count("\n|") >= 3, f"{name}: no rows in\n{table}"
+        assert table in summary
+        assert (tmp_path / f"{name}.png").stat().st_size > 0
