@@ -37,10 +37,12 @@ class _CrashAfterStep(Callback):
 
 
 def quiet(*expected_warnings: str) -> None:
-    """Silence Lightning's info logging, its warning about callbacks with ``ckpt_path``, and
-    the warnings (message regexes) the example expects."""
+    """Silence Lightning's info logging, its warning about callbacks with ``ckpt_path``, its
+    deprecation warning under newer torch (``LeafSpec``), and the warnings (message regexes)
+    the example expects."""
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    for message in (".*ckpt_path.*callbacks used to create", *expected_warnings):
+    for message in (".*ckpt_path.*callbacks used to create", ".*LeafSpec",
+                    *expected_warnings):
         warnings.filterwarnings("ignore", message=message)
 
 

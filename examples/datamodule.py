@@ -107,7 +107,7 @@ def fit(args: argparse.Namespace, callbacks: list[Callback], ckpt_path: str | No
 
 
 def main() -> int:
-    quiet(".*(does not have many workers|LeafSpec)")
+    quiet(".*does not have many workers")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=96)
     parser.add_argument("--batch-size", type=int, default=8)

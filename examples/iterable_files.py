@@ -92,7 +92,7 @@ def fit(paths: list[Path], args: argparse.Namespace, callbacks: list[Callback],
 
 
 def main() -> int:
-    quiet(".*(does not have many workers|IterableDataset|LeafSpec)")
+    quiet(".*(does not have many workers|IterableDataset)")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=8)
