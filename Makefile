@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml scripts/setup.sh
 
 lint: setup
 	$(PY) -m ruff check .
-	$(PY) -m mypy lightning_loaders
+	$(PY) -m mypy lightning_loaders adapters examples benchmarks
 
 test: lint
 	$(PY) -m pytest

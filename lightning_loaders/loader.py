@@ -67,6 +67,8 @@ class ResumableLoader(WorkerLoader):
             ``batch_size=1``, leftover samples (fewer than ranks) join the last batch of the
             first ranks instead of failing, so every sample is read once and every rank has the
             same number of batches.
+        shuffle_buffer, sync_interval: for iterable datasets (``ResumableIterableLoader``,
+            which an iterable dataset gets); a map-style dataset refuses them.
 
     ``timeout`` raises ``WorkerTimeoutError`` naming the worker whose batch is late. Workers
     stop on ``close()`` (also used as ``with loader:``), when the loader is collected, and when
@@ -117,10 +119,16 @@ class ResumableLoader(WorkerLoader):
         on_error: OnError = "raise",
         max_worker_restarts: int = 3,
         evaluation: bool = False,
+        shuffle_buffer: int = 0,
+        sync_interval: int = 8,
     ) -> None:
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
             raise TypeError("ResumableLoader needs a map-style dataset (with __len__ and "
                             "__getitem__)")
+        if shuffle_buffer != 0 or sync_interval != 8:
+            raise ValueError("shuffle_buffer and sync_interval are for iterable datasets; a "
+                             "map-style dataset is shuffled over the whole epoch with "
+                             "shuffle=True, and its ranks always have equal batch counts")
         if batch_sampler is not None:
             if batch_size != 1 or shuffle or sampler is not None or drop_last:
                 raise ValueError("batch_sampler is mutually exclusive with batch_size, shuffle, "

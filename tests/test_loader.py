@@ -337,6 +337,8 @@ def test_samplers_convert_to_their_resumable_equivalents() -> None:
         ({"drop_last": True, "last_batch": "pad"}, "contradicts"),
         ({"prefetch_factor": 2}, "num_workers"),
         ({"timeout": -1}, "timeout"),
+        ({"shuffle_buffer": 8}, "for iterable datasets"),
+        ({"sync_interval": 2}, "for iterable datasets"),
     ],
 )
 def test_impossible_settings_fail_at_construction(kwargs, match) -> None:
