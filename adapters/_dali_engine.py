@@ -137,7 +137,7 @@ class EngineBox:
 
 
 def call_pipeline(pipeline: Callable[..., Any], kwargs: dict[str, Any],
-                   context: dict[str, Any]) -> Any:
+                  context: dict[str, Any]) -> Any:
     """Call a ``@pipeline_def`` function (all ``Pipeline`` keywords, the context keywords it
     declares) or a factory (the keywords it declares)."""
     params = inspect.signature(pipeline).parameters

@@ -352,7 +352,7 @@ class DALILoader:
             at = (schedule.epoch, schedule.batches)
             seed = entry.seed if entry else seed32(self.seed, placement.rank, *at) >> 1
             context["source"] = PlannedSource(self.dataset, schedule,
-                                               entry.iteration if entry else 0)
+                                              entry.iteration if entry else 0)
         else:
             at = (0, 0)
             seed = seed32(self.seed, placement.rank) >> 1
@@ -382,7 +382,7 @@ class DALILoader:
             shutdown_pipeline(pipe)
             raise
         engine = Engine(pipe, iterator, placement, at, entry.iteration if entry else 0, seed,
-                         reader=self.reader_name is not None)
+                        reader=self.reader_name is not None)
         engine.reader_meta = meta
         if schedule is not None:
             engine.order_version = schedule.order_version

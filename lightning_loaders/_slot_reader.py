@@ -134,10 +134,10 @@ class SlotReader:
         if self._window <= 1 or self._taken == len(self._buffer):
             piece, offset, state = self._position()
             return Cursor(self.batch, self._emitted, self._emitted, piece, offset, state,
-                           self.exhausted)
+                          self.exhausted)
         window_emitted, (piece, offset, state) = self._window_start
         return Cursor(self.batch, self._emitted, window_emitted, piece, offset, state,
-                       self.exhausted)
+                      self.exhausted)
 
     def where(self) -> str:
         """The shard and position being read, for error messages."""
@@ -284,7 +284,7 @@ class SlotFetcher(Dataset[Any]):
         layout = plan_epoch(self.config, request.epoch, request.world_size, self.slots)
         key = mix64(self.config.seed, request.epoch, request.rank, request.slot, _WINDOW_SALT)
         reader = SlotReader(self.source, layout.pieces[request.rank][request.slot],
-                             request.start, self.window, key, request.generation)
+                            request.start, self.window, key, request.generation)
         while reader.batch < request.batch and not reader.exhausted:  # a request routed here
             sizes = layout.sizes[request.rank][request.slot] if layout.sizes else None
             size = sizes[reader.batch] if sizes else self.config.batch_size

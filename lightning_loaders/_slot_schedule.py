@@ -218,7 +218,7 @@ class IterableSchedule:
             window_emitted = emitted - emitted % self.window
             piece, offset = locate(pieces, window_emitted)
             cursors.append(Cursor(count, emitted, window_emitted, piece, offset, None,
-                                   count >= len(sizes[w])))
+                                  count >= len(sizes[w])))
         return cursors
 
     def _delivered_cursors(self) -> list[Cursor]:
@@ -276,7 +276,7 @@ class IterableSchedule:
 def _first_cursors(layout: Layout, rank: int) -> list[Cursor]:
     """Every slot of ``rank`` at the start of its stream (exhausted when it has no batch)."""
     return [Cursor(0, 0, 0, 0, pieces[0].start if pieces else 0, None,
-                    not pieces or (layout.sizes is not None and not layout.sizes[rank][slot]))
+                   not pieces or (layout.sizes is not None and not layout.sizes[rank][slot]))
             for slot, pieces in enumerate(layout.pieces[rank])]
 
 
@@ -305,7 +305,7 @@ def _requests(generation: int, epoch: int, rank: int, world_size: int,
             if next_batch[w] == round_ and not done(w):
                 size = sizes[w][round_] if sizes is not None else batch_size
                 yield SlotRequest(generation, epoch, rank, world_size, w, round_, size,
-                                   starts[w])
+                                  starts[w])
                 next_batch[w] += 1
             elif with_skips:
                 yield SKIP

@@ -61,7 +61,6 @@ Exact resume
     nothing happened (at most ``max_worker_restarts`` times per epoch).
 """
 
-
 from __future__ import annotations
 
 import itertools
@@ -84,7 +83,6 @@ from lightning_loaders.schedule import resolve_last_batch
 from lightning_loaders.shards import ShardedSource, _PlainStream
 
 __all__ = ["ResumableIterableLoader"]
-
 
 
 class ResumableIterableLoader(WorkerLoader):
@@ -181,11 +179,11 @@ class ResumableIterableLoader(WorkerLoader):
         self.shuffle_buffer = shuffle_buffer
         self.sync_interval = sync_interval
         config = PlanConfig(None if lengths is None else tuple(lengths), len(source.shards),
-                             strided, self.batch_size, self.last_batch, self.shuffle, self.seed,
-                             merge_short_tail=evaluation and not strided)
+                            strided, self.batch_size, self.last_batch, self.shuffle, self.seed,
+                            merge_short_tail=evaluation and not strided)
         slots = max(1, num_workers)
         self.schedule = IterableSchedule(config, slots, max(1, shuffle_buffer),
-                                          source.fingerprint, rank, world_size)
+                                         source.fingerprint, rank, world_size)
         self.sampler = _EpochSampler(self.schedule)
         self._fetcher = SlotFetcher(source, config, slots, max(1, shuffle_buffer), collate_fn)
         self._warned_surplus = False
