@@ -71,6 +71,12 @@ def weighted_draws(cumulative: np.ndarray, last_positive: int, key: int,
     return np.minimum(chosen, last_positive).astype(np.int64)
 
 
+def _check_sizes(n: int, num_samples: int) -> None:
+    if n < 1 or num_samples < 1:
+        raise ValueError(f"need n >= 1 and num_samples >= 1, got n={n}, "
+                         f"num_samples={num_samples}")
+
+
 def _check_positions(positions: np.ndarray, length: int) -> np.ndarray:
     pos = np.asarray(positions, dtype=np.int64)
     if pos.size and (pos.min() < 0 or pos.max() >= length):
@@ -83,9 +89,7 @@ class ReplacementOrder:
     per epoch."""
 
     def __init__(self, n: int, num_samples: int, seed: int) -> None:
-        if n < 1 or num_samples < 1:
-            raise ValueError(f"need n >= 1 and num_samples >= 1, got n={n}, "
-                             f"num_samples={num_samples}")
+        _check_sizes(n, num_samples)
         self.n, self.num_samples, self.seed = n, num_samples, seed
 
     def __len__(self) -> int:
@@ -106,9 +110,7 @@ class RepeatedShuffleOrder:
     ``range(n)`` laid end to end, the last one cut short (as torch does)."""
 
     def __init__(self, n: int, num_samples: int, seed: int) -> None:
-        if n < 1 or num_samples < 1:
-            raise ValueError(f"need n >= 1 and num_samples >= 1, got n={n}, "
-                             f"num_samples={num_samples}")
+        _check_sizes(n, num_samples)
         self.n, self.num_samples, self.seed = n, num_samples, seed
 
     def __len__(self) -> int:
