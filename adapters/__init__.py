@@ -1,1 +1,2 @@
-"""Adapters"""
+"""Adapters: NVIDIA DALI pipelines and FFCV loaders on the shared schedule (heavy dependencies
+imported lazily)."""

@@ -23,8 +23,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_loaders.datamodule import ResumableDataModule
-from lightning_loaders.dynamic import DynamicWeightedSampler
+from lightning_loaders.lightning.datamodule import ResumableDataModule
+from lightning_loaders.orders.dynamic_weighted import DynamicWeightedSampler
 
 from _crash_resume import crash_and_resume, quiet, report, train
 

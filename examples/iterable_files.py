@@ -31,7 +31,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_loaders import ResumableLoader
-from lightning_loaders.shards import RecordFiles, write_records
+from lightning_loaders.sources.shards import RecordFiles, write_records
 
 from _crash_resume import crash_and_resume, quiet, report, train
 

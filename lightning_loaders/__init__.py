@@ -7,7 +7,6 @@ imported on first use, so ``import lightning_loaders`` stays light.
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from lightning_loaders._faults import SkippedSample
 from lightning_loaders.context import (
     SampleContext,
     WorkerInfo,
@@ -15,29 +14,30 @@ from lightning_loaders.context import (
     sample_rng,
     worker_info,
 )
-from lightning_loaders.convert import make_resumable
-from lightning_loaders.drawn_orders import DrawnBatchOrder, DrawnOrder
-from lightning_loaders.dynamic import DynamicWeightedSampler
+from lightning_loaders.engines.faults import SkippedSample
 from lightning_loaders.errors import (
     SampleFetchError,
     WorkerCrashedError,
     WorkerInitError,
     WorkerTimeoutError,
 )
-from lightning_loaders.iterable import ResumableIterableLoader
-from lightning_loaders.loader import ResumableLoader
-from lightning_loaders.order import SampleOrder, SequentialOrder, ShuffledOrder
-from lightning_loaders.packed import PackedObjects, PackedRecords, PackedStrings, pack
-from lightning_loaders.permutation import KeyedPermutation
-from lightning_loaders.plan import EpochPlan, LastBatch
-from lightning_loaders.random_orders import (
+from lightning_loaders.loaders.convert import make_resumable
+from lightning_loaders.loaders.iterable import ResumableIterableLoader
+from lightning_loaders.loaders.map_style import ResumableLoader
+from lightning_loaders.orders.base import SampleOrder, SequentialOrder, ShuffledOrder
+from lightning_loaders.orders.drawn import DrawnBatchOrder, DrawnOrder
+from lightning_loaders.orders.dynamic_weighted import DynamicWeightedSampler
+from lightning_loaders.orders.permutation import KeyedPermutation
+from lightning_loaders.orders.random import (
     RepeatedShuffleOrder,
     ReplacementOrder,
     SubsetOrder,
     WeightedOrder,
 )
-from lightning_loaders.schedule import MapSchedule
-from lightning_loaders.shards import (
+from lightning_loaders.schedule.map_plan import EpochPlan, LastBatch
+from lightning_loaders.schedule.map_schedule import MapSchedule
+from lightning_loaders.sources.packed import PackedObjects, PackedRecords, PackedStrings, pack
+from lightning_loaders.sources.shards import (
     GeneratorSource,
     LineFiles,
     RecordFiles,
@@ -48,18 +48,18 @@ from lightning_loaders.shards import (
 )
 
 if TYPE_CHECKING:
-    from lightning_loaders.datamodule import ResumableDataModule
-    from lightning_loaders.monitor import DataStallMonitor, DataStallWarning
-    from lightning_loaders.rank_indices import batch_indices, expose_batch_indices
+    from lightning_loaders.lightning.batch_indices import batch_indices, expose_batch_indices
+    from lightning_loaders.lightning.datamodule import ResumableDataModule
+    from lightning_loaders.lightning.monitor import DataStallMonitor, DataStallWarning
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "DataStallMonitor": "lightning_loaders.monitor",
-    "DataStallWarning": "lightning_loaders.monitor",
-    "ResumableDataModule": "lightning_loaders.datamodule",
-    "batch_indices": "lightning_loaders.rank_indices",
-    "expose_batch_indices": "lightning_loaders.rank_indices",
+    "DataStallMonitor": "lightning_loaders.lightning.monitor",
+    "DataStallWarning": "lightning_loaders.lightning.monitor",
+    "ResumableDataModule": "lightning_loaders.lightning.datamodule",
+    "batch_indices": "lightning_loaders.lightning.batch_indices",
+    "expose_batch_indices": "lightning_loaders.lightning.batch_indices",
 }
 
 

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from lightning_loaders._hashing import mix64, mix64_after
+from lightning_loaders.hashing import mix64, mix64_after
 
 __all__ = [
     "SampleContext",
@@ -145,7 +145,7 @@ def set_sample(sample: _SampleKey | None) -> None:
     _current_sample = sample
 
 
-def _set_worker(info: WorkerInfo) -> None:
+def set_worker(info: WorkerInfo) -> None:
     global _current_worker
     _current_worker = info
 
@@ -154,7 +154,7 @@ _Afterwards = Literal["restore", "continue", "leave"]
 
 
 @contextmanager
-def _seeded_global_rngs(*key: int, afterwards: _Afterwards = "restore") -> Iterator[None]:
+def seeded_global_rngs(*key: int, afterwards: _Afterwards = "restore") -> Iterator[None]:
     """Run a block with the ``random``, ``numpy`` and ``torch`` global RNGs seeded from ``key``.
 
     The seeds are ``mix64(*key, i)`` for ``i`` in 0, 1, 2 (32 bits for ``random`` and numpy),
@@ -193,8 +193,8 @@ def _seeded_global_rngs(*key: int, afterwards: _Afterwards = "restore") -> Itera
             torch.default_generator.set_state(saved[2])
 
 
-def _seeded_fetch(*key: int) -> AbstractContextManager[None]:
+def seeded_fetch(*key: int) -> AbstractContextManager[None]:
     """The global RNGs seeded for one batch fetch: left seeded in a worker process, continued
-    (see ``_seeded_global_rngs``) in the main process, whose RNGs are the training loop's."""
+    (see ``seeded_global_rngs``) in the main process, whose RNGs are the training loop's."""
     in_worker = torch.utils.data.get_worker_info() is not None
-    return _seeded_global_rngs(*key, afterwards="leave" if in_worker else "continue")
+    return seeded_global_rngs(*key, afterwards="leave" if in_worker else "continue")

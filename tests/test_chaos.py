@@ -29,9 +29,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from lightning_loaders import ResumableLoader
-from lightning_loaders.order import ShuffledOrder
-from lightning_loaders.plan import LAST_BATCH_POLICIES
-from lightning_loaders.schedule import MapSchedule
+from lightning_loaders.orders.base import ShuffledOrder
+from lightning_loaders.schedule.map_plan import LAST_BATCH_POLICIES
+from lightning_loaders.schedule.map_schedule import MapSchedule
 from tests.conftest import IndexDataset
 from tests.scripts.chaos_train import (
     CONFIGURATIONS,

@@ -1,7 +1,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightning_loaders._hashing import mix64, mix64_after, seed32
+from lightning_loaders.hashing import mix64, mix64_after, seed32
 
 words = st.lists(st.integers(-(2**70), 2**70), max_size=5)
 

@@ -19,7 +19,7 @@ def test_importing_the_package_does_not_import_lightning() -> None:
     code = "import sys, lightning_loaders; print('lightning' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
-    assert lightning_loaders.DataStallMonitor.__module__ == "lightning_loaders.monitor"
+    assert lightning_loaders.DataStallMonitor.__module__ == "lightning_loaders.lightning.monitor"
 
 
 def test_the_readme_api_reference_lists_every_public_name() -> None:

@@ -157,7 +157,7 @@ def make_loader(kind: str, num_workers: int) -> Any:
         return ResumableLoader(IndexDataset(MAP_SIZE), batch_size=MAP_BATCH, shuffle=True,
                                seed=7, num_workers=num_workers)
     if kind == "iterable":
-        from lightning_loaders.shards import SequenceSource
+        from lightning_loaders.sources.shards import SequenceSource
 
         shards = [list(range(s, s + SHARD_SIZE)) for s in range(0, MAP_SIZE, SHARD_SIZE)]
         return ResumableLoader(SequenceSource(shards), batch_size=MAP_BATCH, shuffle=True,

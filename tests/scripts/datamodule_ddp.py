@@ -33,8 +33,8 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from lightning_loaders.datamodule import ResumableDataModule
-from lightning_loaders.dynamic import DynamicWeightedSampler
+from lightning_loaders.lightning.datamodule import ResumableDataModule
+from lightning_loaders.orders.dynamic_weighted import DynamicWeightedSampler
 from tests.conftest import IndexDataset
 
 SEED = 7

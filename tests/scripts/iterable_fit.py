@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import IterableDataset
 
 from lightning_loaders import ResumableLoader
-from lightning_loaders.shards import RecordFiles, count_records
+from lightning_loaders.sources.shards import RecordFiles, count_records
 from tests.ddp_harness import write_result
 
 

@@ -1,0 +1,359 @@
+"""Worker side: turn one planned batch request into a collated batch.
+
+The loader feeds torch's ``DataLoader`` machinery (processes, shared memory, pin-memory thread)
+with ``BatchRequest`` objects instead of indices; ``BatchFetcher`` is the dataset those workers
+index (or the loader calls itself, when batches are fetched in the main process). It seeds the
+global RNGs per batch, exposes the per-sample context, takes the fastest fetch path the dataset
+allows, and names the failing sample when user code raises.
+
+When user code raises, a worker returns a ``Failed`` (the error, re-raised by the loader in the
+main process) rather than raising through torch, which would keep only the error's text. With
+``on_error="skip"`` a failing sample is left out of its batch and reported in a ``Skipped``;
+a batch whose ``__getitems__`` fails is retried sample by sample to find the failing ones.
+
+Fetch paths, fastest first (each gives exactly what ``default_collate`` of the samples gives):
+
+1. *gather*: in-memory data (a tensor, a numeric numpy array, ``TensorDataset``, and
+   ``StackDataset``/``Subset`` over those) is gathered a whole batch at a time with
+   ``index_select`` (in the main process, several batches at a time: ``gathered``); no user
+   code runs, so no RNG is seeded and no sample context is set.
+2. *getitems*: a dataset's own ``__getitems__`` gets the batch's indices in one call.
+3. *per sample*: ``dataset[i]`` for every index, with ``sample_context()`` set.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from itertools import islice
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import (
+    Dataset,
+    StackDataset,
+    Subset,
+    TensorDataset,
+    default_collate,
+    get_worker_info,
+)
+
+from lightning_loaders.context import seeded_fetch, set_sample
+from lightning_loaders.engines.faults import Failed, OnError, Skipped, SkippedSample
+from lightning_loaders.errors import SampleFetchError
+from lightning_loaders.schedule.requests import BatchRequest
+
+__all__ = ["BatchFetcher"]
+
+_Gather = Callable[[torch.Tensor], Any]
+_GATHER_BLOCK_BYTES = 1 << 20  # in-memory batches gathered together, in bytes of output
+
+
+class BatchFetcher(Dataset[Any]):
+    """Fetches and collates whole planned batches (what the internal DataLoader's workers index).
+
+    ``in_memory`` is true when batches are gathered by vectorised indexing with no user code
+    involved: worker processes can then only add inter-process cost.
+    """
+
+    def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None, seed: int,
+                 on_error: OnError = "raise"):
+        self.dataset = dataset
+        self.on_error = on_error
+        self.init_failure: Failed | None = None  # set in a worker whose worker_init_fn raised
+        default = collate_fn is None or collate_fn is default_collate
+        self.collate_fn = default_collate if collate_fn is None else collate_fn
+        self.seed = seed
+        self._gather = _checked_gather(dataset) if default else None
+        self._getitems = dataset.__getitems__ if _has_own_getitems(dataset) else None
+
+    @property
+    def in_memory(self) -> bool:
+        return self._gather is not None
+
+    def gathered(self, requests: Iterator[BatchRequest]) -> Iterator[Any]:
+        """The batches of ``requests`` for in-memory data, several per gather.
+
+        Consecutive batches are gathered together, up to about ``_GATHER_BLOCK_BYTES``: one
+        large ``index_select`` pays Python's per-call cost once and is split over torch's
+        intra-op threads, where a small one runs on one. Each batch is a view of its block,
+        so holding one batch keeps at most that block alive.
+        """
+        gather = self._gather
+        assert gather is not None, "gathered() needs in-memory data"
+        first = next(requests, None)
+        if first is None:
+            return
+        row_bytes = _nbytes(gather(torch.from_numpy(first.indices[:1])))
+        per_block = max(1, _GATHER_BLOCK_BYTES // max(1, row_bytes * len(first.indices)))
+        block = [first, *islice(requests, per_block - 1)]
+        while block:
+            sizes = [len(request.indices) for request in block]
+            whole = gather(torch.from_numpy(np.concatenate([r.indices for r in block])))
+            yield from _split(whole, sizes)
+            block = list(islice(requests, per_block))
+
+    def __getitem__(self, request: BatchRequest) -> Any:
+        if self.init_failure is not None:
+            return self.init_failure
+        try:
+            return self._fetch(request)
+        except SampleFetchError as error:
+            if get_worker_info() is None:
+                raise
+            return Failed(error)
+
+    def _fetch(self, request: BatchRequest) -> Any:
+        gather = self._gather
+        if gather is not None:
+            return gather(torch.from_numpy(request.indices))
+        with seeded_fetch(self.seed, request.epoch, request.batch, request.rank):
+            skipped: list[SkippedSample] = []
+            getitems = self._getitems
+            if getitems is not None:
+                samples = self._fetch_batch(request, getitems, skipped)
+            else:
+                samples = self._fetch_samples(request, skipped)
+            if not skipped:
+                return self._collate(request, samples)
+            if not samples:
+                return Skipped(None, tuple(skipped), empty=True)
+            return Skipped(self._collate(request, samples), tuple(skipped))
+
+    def _fetch_batch(self, request: BatchRequest, getitems: Callable[[list[int]], list[Any]],
+                     skipped: list[SkippedSample]) -> list[Any]:
+        """The dataset's ``__getitems__``; when skipping, a failing batch is fetched again sample
+        by sample so that only the failing samples are left out."""
+        try:
+            return getitems(request.indices.tolist())
+        except Exception as exc:
+            if self.on_error != "skip":
+                raise _fetch_error(request, None, exc, "__getitems__") from exc
+        return self._fetch_samples(request, skipped)
+
+    def _fetch_samples(self, request: BatchRequest, skipped: list[SkippedSample]) -> list[Any]:
+        """``dataset[i]`` for every index of the batch, each with its sample context set."""
+        dataset, seed, rank = self.dataset, self.seed, request.rank
+        skip = self.on_error == "skip"
+        samples: list[Any] = []
+        try:
+            for k, (index, epoch, position) in enumerate(zip(request.indices.tolist(),
+                                                             request.sample_epochs.tolist(),
+                                                             request.positions.tolist(),
+                                                             strict=True)):
+                set_sample((seed, epoch, position, index, rank))
+                try:
+                    samples.append(dataset[index])
+                except Exception as exc:
+                    if not skip:
+                        raise _fetch_error(request, k, exc) from exc
+                    skipped.append(SkippedSample(request.epoch, request.batch, position, index,
+                                                 f"{type(exc).__name__}: {exc}"))
+        finally:
+            set_sample(None)
+        return samples
+
+    def _collate(self, request: BatchRequest, samples: list[Any]) -> Any:
+        try:
+            return self.collate_fn(samples)
+        except Exception as exc:
+            raise _fetch_error(request, None, exc, "collate_fn") from exc
+
+
+def _fetch_error(request: BatchRequest, k: int | None, exc: BaseException,
+                 call: str = "") -> SampleFetchError:
+    """A ``SampleFetchError`` naming sample ``k`` of ``request`` (or, with ``k=None``, the batch
+    that ``call`` failed on), the epoch, the worker and the rank."""
+    info = get_worker_info()
+    worker = info.id if info is not None else None
+    pid = os.getpid()
+    where = f"worker {worker} (pid {pid})" if info is not None else "the main process"
+    index = position = None
+    if k is None:
+        shown = ", ".join(map(str, request.indices[:8].tolist()))
+        more = ", ..." if len(request.indices) > 8 else ""
+        what = f"{call} of batch {request.batch} (dataset indices [{shown}{more}])"
+    else:
+        index, position = int(request.indices[k]), int(request.positions[k])
+        what = f"sample index {index} (epoch position {position}, batch {request.batch})"
+    message = (f"{type(exc).__name__} in {what} of epoch {request.epoch}, in {where} on rank "
+               f"{request.rank}: {exc}")
+    return SampleFetchError(message, index=index, position=position, epoch=request.epoch,
+                            batch=request.batch, rank=request.rank, worker=worker, pid=pid,
+                            cause_type=type(exc).__name__)
+
+
+# -- the gather path -----------------------------------------------------------------------
+
+
+def _checked_gather(dataset: Any) -> _Gather | None:
+    """A vectorised gather for ``dataset`` that provably collates like ``default_collate``.
+
+    The gather is built from the dataset's structure, then checked once against
+    ``default_collate`` of its first and last samples (type, dtype, shape and values); any
+    difference, or an error, keeps the general path.
+    """
+    try:
+        gather = _gather_for(dataset)
+        if gather is None:
+            return None
+        probe = [0, len(dataset) - 1]
+        expected = default_collate([dataset[i] for i in probe])
+        got = gather(torch.tensor(probe, dtype=torch.int64))
+    except Exception:
+        return None
+    return gather if _same_batch(got, expected) else None
+
+
+def _gather_for(data: Any) -> _Gather | None:
+    """A gather over ``data``'s structure, or ``None`` when a part of it is not in memory.
+
+    Types are matched exactly: a subclass may override ``__getitem__`` (a transform)."""
+    kind = type(data)
+    if kind is np.ndarray or kind is np.memmap:
+        return _gather_array(data)
+    if kind is torch.Tensor:
+        return _gather_tensor(data)
+    if kind is TensorDataset:
+        return _gather_list([_gather_tensor(t) for t in data.tensors])
+    if kind is StackDataset:
+        if isinstance(data.datasets, dict):
+            keys = list(data.datasets)
+            parts = _gather_list([_gather_for(data.datasets[k]) for k in keys])
+            return None if parts is None else _DictGather(keys, parts)
+        return _gather_list([_gather_for(d) for d in data.datasets])
+    if kind is Subset:
+        inner = _gather_for(data.dataset)
+        if inner is None:
+            return None
+        return _SubsetGather(inner, torch.as_tensor(np.asarray(data.indices, dtype=np.int64)))
+    return None
+
+
+def _gather_list(parts: list[_Gather | None]) -> _ListGather | None:
+    if any(part is None for part in parts):
+        return None
+    return _ListGather(parts)  # type: ignore[arg-type]
+
+
+def _gather_array(array: np.ndarray) -> _Gather | None:
+    if array.ndim == 0 or array.dtype.kind not in "biufc":
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only arrays: the tensor is only ever read
+        tensor = torch.from_numpy(array)  # raises on dtypes and strides torch cannot view
+    return _gather_tensor(tensor)
+
+
+def _gather_tensor(tensor: torch.Tensor) -> _Gather | None:
+    if (type(tensor) is not torch.Tensor or tensor.dim() == 0 or tensor.layout != torch.strided
+            or tensor.is_nested or tensor.device.type != "cpu" or tensor.requires_grad):
+        return None
+    return _TensorGather(tensor)
+
+
+# Gathers are small classes, not closures, so a fetcher pickles for spawned workers.
+
+
+class _TensorGather:
+    """Rows of a CPU tensor (``default_collate`` stacks the samples' rows)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __call__(self, index: torch.Tensor) -> torch.Tensor:
+        tensor = self.tensor
+        if get_worker_info() is None:
+            return tensor.index_select(0, index)
+        # In a worker, gather straight into shared memory (as default_collate does) so sending
+        # the batch to the main process costs no extra copy.
+        shape = (len(index), *tensor.shape[1:])
+        storage = tensor._typed_storage()._new_shared(int(np.prod(shape)), device=tensor.device)
+        out = tensor.new(storage).resize_(shape)
+        return torch.index_select(tensor, 0, index, out=out)
+
+
+class _ListGather:
+    """Tuple-like samples: ``default_collate`` turns a batch of tuples into a list."""
+
+    def __init__(self, parts: list[_Gather]) -> None:
+        self.parts = parts
+
+    def __call__(self, index: torch.Tensor) -> list[Any]:
+        return [part(index) for part in self.parts]
+
+
+class _DictGather:
+    """Dict samples: ``default_collate`` collates each key."""
+
+    def __init__(self, keys: list[Any], parts: _ListGather) -> None:
+        self.keys = keys
+        self.parts = parts
+
+    def __call__(self, index: torch.Tensor) -> dict[Any, Any]:
+        return dict(zip(self.keys, self.parts(index), strict=True))
+
+
+class _SubsetGather:
+    """``Subset``: map the indices, then gather from the underlying data."""
+
+    def __init__(self, inner: _Gather, mapping: torch.Tensor) -> None:
+        self.inner = inner
+        self.mapping = mapping
+
+    def __call__(self, index: torch.Tensor) -> Any:
+        return self.inner(self.mapping.index_select(0, index))
+
+
+def _split(batch: Any, sizes: list[int]) -> list[Any]:
+    """A gathered block cut back into batches of ``sizes`` rows (views, no copies)."""
+    if isinstance(batch, torch.Tensor):
+        return list(batch.split(sizes))
+    if isinstance(batch, dict):
+        keys = list(batch)
+        return [dict(zip(keys, parts, strict=True))
+                for parts in zip(*(_split(batch[k], sizes) for k in keys), strict=True)]
+    return [list(parts) for parts in zip(*(_split(part, sizes) for part in batch), strict=True)]
+
+
+def _nbytes(batch: Any) -> int:
+    """Bytes of the tensors in a gathered batch."""
+    if isinstance(batch, torch.Tensor):
+        return batch.nbytes
+    parts = batch.values() if isinstance(batch, dict) else batch
+    return sum(_nbytes(part) for part in parts)
+
+
+def _same_batch(got: Any, expected: Any) -> bool:
+    """Same container types, keys, tensor dtypes, shapes and values (NaN equal to NaN)."""
+    if type(got) is not type(expected):
+        return False
+    if isinstance(got, torch.Tensor):
+        return (got.dtype == expected.dtype and got.shape == expected.shape
+                and bool(torch.equal(got, expected) or (got.is_floating_point() and torch.allclose(
+                    got, expected, rtol=0, atol=0, equal_nan=True))))
+    if isinstance(got, dict):
+        return got.keys() == expected.keys() and all(_same_batch(got[k], expected[k])
+                                                     for k in got)
+    if isinstance(got, list):
+        return len(got) == len(expected) and all(_same_batch(g, e)
+                                                 for g, e in zip(got, expected, strict=True))
+    return False
+
+
+# -- the getitems path ---------------------------------------------------------------------
+
+
+def _has_own_getitems(dataset: Any) -> bool:
+    """Whether ``dataset`` batches its own fetches: torch's ``Subset`` and ``StackDataset``
+    only forward ``__getitems__``, so over per-sample datasets they would hide the per-sample
+    context, and the per-sample path is used instead."""
+    if isinstance(dataset, Subset):
+        return _has_own_getitems(dataset.dataset)
+    if isinstance(dataset, StackDataset):
+        parts = dataset.datasets
+        return all(_has_own_getitems(d) for d in (parts.values() if isinstance(parts, dict)
+                                                   else parts))
+    return callable(getattr(dataset, "__getitems__", None))

@@ -1,0 +1,257 @@
+"""Worker side of an iterable loader: one slot's reader cuts batches from its pieces, and
+``SlotFetcher`` (what torch's workers index) answers one planned request with one batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Dataset, default_collate
+from torch.utils.data import get_worker_info as torch_worker_info
+
+from lightning_loaders.context import seeded_fetch
+from lightning_loaders.errors import SampleFetchError
+from lightning_loaders.hashing import mix64
+from lightning_loaders.orders.permutation import KeyedPermutation
+from lightning_loaders.schedule.requests import Cursor, Delivered, SlotEnd, SlotRequest
+from lightning_loaders.schedule.shard_plan import Piece, PlanConfig, plan_epoch
+from lightning_loaders.sources.shards import PlainStream, ShardedSource
+
+__all__ = ["SlotFetcher", "SlotReader"]
+
+_WINDOW_SALT = 0x5749_4E44_4F57
+
+
+class SlotReader:
+    """Reads one slot's pieces in order, optionally through a shuffle window.
+
+    Samples move in chunks (``itertools.islice`` over the shard iterators), so the per-sample
+    cost is the source's own.
+    """
+
+    def __init__(self, source: ShardedSource[Any], pieces: tuple[Piece, ...], start: Cursor,
+                 window: int, key: int, generation: int) -> None:
+        self.generation, self.batch, self.exhausted = generation, start.batches, start.exhausted
+        self._source, self._pieces, self._window, self._key = source, pieces, window, key
+        self._piece, self._offset, self._state = start.piece, start.offset, start.reader_state
+        self._it: Iterator[Any] | None = None
+        self._it_position = 0  # the shard position the open iterator yields next
+        self._peeked: list[tuple[Any, tuple[int, int, Any]]] = []  # (sample, its position)
+        self._emitted = start.window_emitted
+        self._buffer: list[Any] = []
+        self._taken = 0
+        self._window_start = (self._emitted, (self._piece, self._offset, self._state))
+        if not self.exhausted:
+            if window > 1:
+                self._fill()
+            self.take(start.emitted - start.window_emitted)
+
+    def take(self, n: int) -> list[Any]:
+        """Up to ``n`` next samples (fewer at the end of the slot's stream)."""
+        if self._window <= 1:
+            out = self._read(n)
+            self._emitted += len(out)
+            return out
+        out = []
+        while len(out) < n:
+            if self._taken == len(self._buffer) and not self._fill():
+                break
+            chunk = self._buffer[self._taken:self._taken + n - len(out)]
+            self._taken += len(chunk)
+            self._emitted += len(chunk)
+            out += chunk
+        return out
+
+    def at_end(self) -> bool:
+        """Whether the slot's stream has no sample left (reads one ahead to know)."""
+        if (self._window > 1 and self._taken < len(self._buffer)) or self._peeked:
+            return False
+        position = self._position()
+        sample = self._read(1)
+        if not sample:
+            return True
+        self._peeked.append((sample[0], position))
+        return False
+
+    def cursor(self) -> Cursor:
+        """Where the slot stands now (the position of its current window's first sample)."""
+        if self._window <= 1 or self._taken == len(self._buffer):
+            piece, offset, state = self._position()
+            return Cursor(self.batch, self._emitted, self._emitted, piece, offset, state,
+                          self.exhausted)
+        window_emitted, (piece, offset, state) = self._window_start
+        return Cursor(self.batch, self._emitted, window_emitted, piece, offset, state,
+                      self.exhausted)
+
+    def where(self) -> str:
+        """The shard and position being read, for error messages."""
+        if self._piece >= len(self._pieces):
+            return "after its last shard"
+        return f"shard {self._pieces[self._piece].shard}, reading from sample {self._offset}"
+
+    def close(self) -> None:
+        iterator, self._it = self._it, None
+        close = getattr(iterator, "close", None)
+        if callable(close):
+            close()
+
+    def _fill(self) -> bool:
+        """Read the next window and permute it; ``False`` at the end of the stream."""
+        self._window_start = (self._emitted, self._position())
+        samples = self._read(self._window)
+        self._taken = 0
+        self._buffer = samples
+        if not samples:
+            return False
+        order = KeyedPermutation(len(samples), mix64(self._key, self._emitted // self._window))
+        self._buffer = [samples[i] for i in order[np.arange(len(samples))].tolist()]
+        return True
+
+    def _position(self) -> tuple[int, int, Any]:
+        """``(piece, offset, shard iterator state)`` of the next sample ``_read`` returns."""
+        if self._peeked:
+            return self._peeked[0][1]
+        self._skip_finished_pieces()
+        if self._it is None:
+            return self._piece, self._offset, self._state
+        state_dict = getattr(self._it, "state_dict", None)
+        state = state_dict() if callable(state_dict) and self._it_position == self._offset else None
+        return self._piece, self._offset, state
+
+    def _skip_finished_pieces(self) -> None:
+        while self._piece < len(self._pieces):
+            stop = self._pieces[self._piece].stop
+            if stop is None or self._offset < stop:
+                return
+            self._advance()
+
+    def _advance(self) -> None:
+        self.close()
+        self._piece += 1
+        self._state = None
+        if self._piece < len(self._pieces):
+            self._offset = self._pieces[self._piece].start
+
+    def _read(self, n: int) -> list[Any]:
+        """Up to ``n`` next samples of the pieces (raw: before the shuffle window)."""
+        out = [self._peeked.pop()[0]] if self._peeked and n > 0 else []
+        while len(out) < n:
+            self._skip_finished_pieces()
+            if self._piece >= len(self._pieces):
+                break
+            piece = self._pieces[self._piece]
+            if self._it is None:
+                self._it = iter(self._source.open_shard(piece.shard, self._offset, self._state))
+                self._it_position, self._state = self._offset, None
+            want = n - len(out)
+            if piece.stop is not None:
+                want = min(want, len(range(self._offset, piece.stop, piece.step)))
+            skip = self._offset - self._it_position  # other slots' samples (strided pieces)
+            chunk = list(itertools.islice(self._it, skip, skip + (want - 1) * piece.step + 1,
+                                          piece.step))
+            if chunk:
+                out += chunk
+                self._it_position = self._offset + (len(chunk) - 1) * piece.step + 1
+                self._offset += len(chunk) * piece.step
+            if len(chunk) < want:  # the shard ended
+                if piece.stop is not None:
+                    raise ValueError(
+                        f"shard {piece.shard} ended at sample {self._offset}, but its declared "
+                        f"length says it has at least {piece.stop}: fix the source's "
+                        "shard_lengths")
+                self._advance()
+        return out
+
+
+class SlotFetcher(Dataset[Any]):
+    """What the internal DataLoader indexes: answers one ``SlotRequest`` with one batch.
+
+    It keeps each slot's reader between requests (in the worker that serves the slot), so a
+    slot's shards are read sequentially; a request its reader cannot continue (a new epoch, a
+    resume, a request routed elsewhere) reopens the reader from the request's start cursor.
+    """
+
+    def __init__(self, source: ShardedSource[Any], config: PlanConfig, slots: int, window: int,
+                 collate_fn: Callable[[list[Any]], Any] | None) -> None:
+        self.dataset = source.dataset if isinstance(source, PlainStream) else source
+        self.source, self.config, self.slots, self.window = source, config, slots, window
+        self.collate_fn = collate_fn if collate_fn is not None else default_collate
+        self._readers: dict[int, SlotReader] = {}
+        self._source_epoch: int | None = None
+
+    def __getitem__(self, request: SlotRequest) -> Delivered | SlotEnd:
+        if request.start is None:
+            return SlotEnd(-1)
+        reader = None
+        try:
+            reader = self._reader(request)
+            if reader.exhausted:
+                return SlotEnd(request.slot)
+            with seeded_fetch(self.config.seed, request.epoch, request.batch, request.rank,
+                               request.slot):
+                samples = reader.take(request.size)
+                known = self.config.lengths is not None
+                if not known:
+                    if not samples or (len(samples) < request.size
+                                       and self.config.last_batch == "drop"):
+                        reader.exhausted = True
+                        return SlotEnd(request.slot)
+                    reader.exhausted = len(samples) < request.size or reader.at_end()
+                elif len(samples) < request.size:
+                    raise ValueError(f"slot {request.slot} ran out of samples {reader.where()}: "
+                                     "a shard is shorter than its declared length")
+                reader.batch += 1
+                cursor = None if known else reader.cursor()
+                data = self.collate_fn(samples)
+        except Exception as exc:
+            raise _fetch_error(request, reader, exc) from exc
+        return Delivered(request.slot, request.batch, data, cursor)
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+
+    def _reader(self, request: SlotRequest) -> SlotReader:
+        reader = self._readers.get(request.slot)
+        if (reader is not None and reader.generation == request.generation
+                and reader.batch == request.batch):
+            return reader
+        if reader is not None:
+            reader.close()
+        assert request.start is not None
+        if request.epoch != self._source_epoch:
+            set_epoch = getattr(self.source, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(request.epoch)
+            self._source_epoch = request.epoch
+        layout = plan_epoch(self.config, request.epoch, request.world_size, self.slots)
+        key = mix64(self.config.seed, request.epoch, request.rank, request.slot, _WINDOW_SALT)
+        reader = SlotReader(self.source, layout.pieces[request.rank][request.slot],
+                            request.start, self.window, key, request.generation)
+        while reader.batch < request.batch and not reader.exhausted:  # a request routed here
+            sizes = layout.sizes[request.rank][request.slot] if layout.sizes else None
+            size = sizes[reader.batch] if sizes else self.config.batch_size
+            reader.exhausted = len(reader.take(size)) < size
+            reader.batch += 1
+        self._readers[request.slot] = reader
+        return reader
+
+
+def _fetch_error(request: SlotRequest, reader: SlotReader | None,
+                 exc: Exception) -> SampleFetchError:
+    info = torch_worker_info()
+    where = f"worker {info.id}" if info is not None else "the main process"
+    shard = f" ({reader.where()})" if reader is not None else ""
+    return SampleFetchError(
+        f"{type(exc).__name__} while reading batch {request.batch} of slot {request.slot}"
+        f"{shard} in epoch {request.epoch}, in {where} on rank {request.rank}: {exc}",
+        epoch=request.epoch, batch=request.batch, rank=request.rank,
+        worker=info.id if info is not None else None, pid=os.getpid(),
+        cause_type=type(exc).__name__,
+        worker_traceback=traceback.format_exc() if info is not None else None)

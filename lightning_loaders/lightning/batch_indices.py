@@ -1,0 +1,91 @@
+"""Which dataset indices each rank reads: for putting evaluation and prediction outputs back in
+dataset order.
+
+The plan is a pure function, so any process can compute what any rank reads in any epoch
+without communication: ``batch_indices(loader, rank=r)``. ``expose_batch_indices`` also hands
+them to Lightning, whose ``BasePredictionWriter`` then receives each batch's ``batch_indices``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import overload
+
+import numpy as np
+from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+
+from lightning_loaders.loaders.map_style import ResumableLoader
+from lightning_loaders.schedule.map_schedule import MapSchedule
+
+__all__ = ["batch_indices", "expose_batch_indices"]
+
+
+def batch_indices(loader: ResumableLoader, epoch: int | None = None,
+                  rank: int | None = None) -> list[np.ndarray]:
+    """Dataset indices of every batch ``rank`` reads in a full ``epoch``, batch by batch.
+
+    Defaults: this process's rank, and the epoch being delivered (0 before the first batch).
+    Orders whose indices change within an epoch (a re-weighted ``DynamicWeightedSampler``) are
+    only described for the weights they hold now.
+    """
+    schedule = loader.schedule
+    own_rank, world_size = schedule.placement
+    rank = own_rank if rank is None else rank
+    epoch = (schedule.epoch or 0) if epoch is None else epoch
+    return [_batch(schedule, epoch, world_size, rank, b)
+            for b in range(schedule.plan_for(epoch, world_size).num_batches)]
+
+
+def expose_batch_indices(loader: ResumableLoader) -> ResumableLoader:
+    """Give ``loader`` the ``batch_sampler`` through which Lightning's prediction loop learns
+    the dataset indices of each delivered batch (``BasePredictionWriter``'s ``batch_indices``).
+    """
+    loader.batch_sampler = _DeliveredIndices(loader.schedule)
+    return loader
+
+
+def _batch(schedule: MapSchedule, epoch: int, world_size: int, rank: int,
+           batch: int) -> np.ndarray:
+    if schedule.last_batch == "rollover":
+        raise ValueError("batch_indices does not describe last_batch='rollover' loaders, whose "
+                         "batches span two epochs")
+    positions = schedule.plan_for(epoch, world_size).positions(batch, rank)
+    return schedule.order.indices(epoch, positions)
+
+
+class _SeenBatches(Sequence[list[int]]):
+    """The indices of the batches delivered so far in the current epoch, computed on access."""
+
+    def __init__(self, schedule: MapSchedule) -> None:
+        self._schedule = schedule
+
+    def __len__(self) -> int:
+        return self._schedule.batches if self._schedule.epoch is not None else 0
+
+    @overload
+    def __getitem__(self, batch: int) -> list[int]: ...
+
+    @overload
+    def __getitem__(self, batch: slice) -> list[list[int]]: ...
+
+    def __getitem__(self, batch: int | slice) -> list[int] | list[list[int]]:
+        if isinstance(batch, slice):
+            return [self[b] for b in range(*batch.indices(len(self)))]
+        if not -len(self) <= batch < len(self):
+            raise IndexError(f"batch {batch} not delivered yet ({len(self)} so far)")
+        schedule = self._schedule
+        rank, world_size = schedule.placement
+        assert schedule.epoch is not None
+        return _batch(schedule, schedule.epoch, world_size, rank, batch % len(self)).tolist()
+
+
+class _DeliveredIndices(_IndexBatchSamplerWrapper):
+    """What Lightning's prediction loop looks for on ``loader.batch_sampler``; it only reads
+    ``seen_batch_indices``. (The base initialiser wraps a real batch sampler: not called.)"""
+
+    def __init__(self, schedule: MapSchedule) -> None:
+        self.seen_batch_indices = _SeenBatches(schedule)  # type: ignore[assignment]
+        self._iterator = None
+
+    def __len__(self) -> int:
+        return len(self.seen_batch_indices)

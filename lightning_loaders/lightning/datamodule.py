@@ -1,0 +1,226 @@
+"""``ResumableDataModule``: a ``LightningDataModule`` whose loaders always reach the Trainer as
+distributed, resumable ones, and whose own state carries the training loaders' cursors.
+
+Subclasses write the usual hooks returning ordinary ``DataLoader``s (or ``ResumableLoader``s, or
+lists, dicts and ``CombinedLoader``s of them); what the hooks return is converted with
+``make_resumable`` (evaluation loaders with ``evaluation=True``; prediction loaders also report
+their batch indices to ``BasePredictionWriter``). Lightning's sampler replacement leaves the
+results alone (they are not ``DataLoader``s), whatever ``use_distributed_sampler`` says.
+
+Why the cursors also live here: Lightning restores a datamodule's state before it builds the
+training loaders, but restores the loaders' own state only if it builds them after restoring
+the loops, which reading ``trainer.estimated_stepping_batches`` in ``configure_optimizers``
+prevents (Lightning #20550). The cursor restored here is applied to the training loaders as soon
+as both exist, and is consumed by the first of them to deliver a batch, so it takes effect
+exactly once whichever path runs (and loading the same cursor twice before that is harmless).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.utilities import CombinedLoader
+from torch.utils.data import DataLoader
+
+from lightning_loaders.lightning.batch_indices import expose_batch_indices
+from lightning_loaders.loaders.convert import make_resumable
+from lightning_loaders.loaders.map_style import ResumableLoader
+
+__all__ = ["STATE_KEY", "ResumableDataModule"]
+
+STATE_KEY = "resumable_loaders"
+_STATE_VERSION = 1
+_STAGES = {"train_dataloader": "train", "val_dataloader": "validate",
+           "test_dataloader": "test", "predict_dataloader": "predict"}
+
+
+class ResumableDataModule(L.LightningDataModule):
+    """A ``LightningDataModule`` base: write ordinary loaders, get resumable distributed ones.
+
+    Override ``convert(loader, stage)`` to pass ``make_resumable`` overrides (a seed, a
+    last-batch policy, ...) per stage. Overriding ``state_dict``/``load_state_dict`` is fine:
+    the cursors are added to and taken from the state around them.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, stage in _STAGES.items():
+            hook = cls.__dict__.get(name)
+            if callable(hook) and not hasattr(hook, "_converted_stage"):
+                setattr(cls, name, _converting(hook, stage))
+        state_dict = cls.__dict__.get("state_dict")
+        if callable(state_dict) and not hasattr(state_dict, "_carries_cursors"):
+            cls.state_dict = _with_cursors(state_dict)  # type: ignore[method-assign]
+        load_state_dict = cls.__dict__.get("load_state_dict")
+        if callable(load_state_dict) and not hasattr(load_state_dict, "_carries_cursors"):
+            cls.load_state_dict = _restoring_cursors(load_state_dict)  # type: ignore[method-assign]
+
+    def convert(self, loader: Any, stage: str) -> Any:
+        """Make one loader resumable (``stage``: train, validate, test or predict)."""
+        if isinstance(loader, ResumableLoader) or not isinstance(loader, DataLoader):
+            return loader
+        if stage == "train":
+            return make_resumable(loader)
+        return make_resumable(loader, evaluation=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The training loaders' cursors (under ``STATE_KEY``)."""
+        return {STATE_KEY: _cursors(self).state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the training loaders' cursors (applied once, see the module docstring)."""
+        cursors = state_dict.get(STATE_KEY)
+        if cursors is not None:
+            _cursors(self).load(cursors)
+
+
+class _Cursors:
+    """The training loaders of the last ``train_dataloader()`` and a restored cursor for them."""
+
+    def __init__(self) -> None:
+        self.loaders: dict[str, Any] = {}
+        self.pending: dict[str, Any] | None = None
+        self.applied: list[tuple[Any, dict[str, Any]]] = []
+
+    def track(self, loaders: Any) -> None:
+        if self.pending is not None and self._consumed():
+            self.pending = None
+        self.loaders = dict(_stateful_leaves(loaders))
+        self._apply()
+
+    def state(self) -> dict[str, Any]:
+        return {"version": _STATE_VERSION,
+                "train": {key: loader.state_dict() for key, loader in self.loaders.items()}}
+
+    def load(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
+            version = state.get("version") if isinstance(state, Mapping) else state
+            raise ValueError(f"unsupported {STATE_KEY} state: version {version!r}, this "
+                             f"ResumableDataModule reads version {_STATE_VERSION}")
+        self.pending = dict(state["train"])
+        self.applied = []
+        self._apply()
+
+    def _apply(self) -> None:
+        if self.pending is None or not self.loaders:
+            return
+        missing = sorted(set(self.pending) ^ set(self.loaders))
+        if missing:
+            warnings.warn(f"the restored training-loader cursors ({sorted(self.pending)}) and "
+                          f"train_dataloader()'s loaders ({sorted(self.loaders)}) differ in "
+                          f"{missing}: those start afresh", stacklevel=4)
+        for key, loader in self.loaders.items():
+            if key in self.pending:
+                loader.load_state_dict(self.pending[key])
+                self.applied.append((loader, self.pending[key]))
+
+    def _consumed(self) -> bool:
+        """Whether a loader given the cursor has moved past it (it delivered a batch)."""
+        return any(not _same(_progress(loader.state_dict()), _progress(state))
+                   for loader, state in self.applied)
+
+
+def _cursors(module: ResumableDataModule) -> _Cursors:
+    cursors = module.__dict__.get("_resumable_cursors")
+    if cursors is None:
+        cursors = module.__dict__["_resumable_cursors"] = _Cursors()
+    return cursors
+
+
+def _converting(hook: Callable[..., Any], stage: str) -> Callable[..., Any]:
+    @functools.wraps(hook)
+    def converted(self: ResumableDataModule, *args: Any, **kwargs: Any) -> Any:
+        loaders = _convert_tree(hook(self, *args, **kwargs),
+                                functools.partial(self.convert, stage=stage))
+        if stage == "train":
+            _cursors(self).track(loaders)
+        if stage == "predict":
+            for _, leaf in _leaves(loaders):
+                if isinstance(leaf, ResumableLoader):
+                    expose_batch_indices(leaf)
+        return loaders
+
+    converted._converted_stage = stage  # type: ignore[attr-defined]
+    return converted
+
+
+def _with_cursors(state_dict: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    @functools.wraps(state_dict)
+    def carrying(self: ResumableDataModule) -> dict[str, Any]:
+        return {**state_dict(self), STATE_KEY: _cursors(self).state()}
+
+    carrying._carries_cursors = True  # type: ignore[attr-defined]
+    return carrying
+
+
+def _restoring_cursors(load_state_dict: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(load_state_dict)
+    def restoring(self: ResumableDataModule, state_dict: dict[str, Any]) -> None:
+        rest = dict(state_dict)
+        cursors = rest.pop(STATE_KEY, None)
+        if cursors is not None:
+            _cursors(self).load(cursors)
+        load_state_dict(self, rest)
+
+    restoring._carries_cursors = True  # type: ignore[attr-defined]
+    return restoring
+
+
+def _convert_tree(tree: Any, convert: Callable[[Any], Any]) -> Any:
+    """``tree`` with every loader converted (dicts, lists, tuples, ``CombinedLoader``s)."""
+    if isinstance(tree, CombinedLoader):
+        tree.flattened = [convert(loader) for loader in tree.flattened]
+        return tree
+    if isinstance(tree, Mapping):
+        return type(tree)({key: _convert_tree(value, convert)  # type: ignore[call-arg]
+                           for key, value in tree.items()})
+    if isinstance(tree, list | tuple):
+        return type(tree)(_convert_tree(value, convert) for value in tree)
+    return convert(tree)
+
+
+def _leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(tree, CombinedLoader):
+        for i, loader in enumerate(tree.flattened):
+            yield f"{prefix}{i}", loader
+    elif isinstance(tree, Mapping):
+        for key, value in tree.items():
+            yield from _leaves(value, f"{prefix}{key}/")
+    elif isinstance(tree, list | tuple):
+        for i, value in enumerate(tree):
+            yield from _leaves(value, f"{prefix}{i}/")
+    else:
+        yield prefix.rstrip("/"), tree
+
+
+def _stateful_leaves(tree: Any) -> Iterator[tuple[str, Any]]:
+    for key, leaf in _leaves(tree):
+        if callable(getattr(leaf, "state_dict", None)) and callable(
+                getattr(leaf, "load_state_dict", None)):
+            yield key, leaf
+
+
+def _progress(state: Any) -> Any:
+    """A cursor's position when it has one (ours: epoch and batches), else the whole state."""
+    if isinstance(state, Mapping) and "epoch" in state and "batches" in state:
+        return state["epoch"], state["batches"]
+    return state
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Deep equality of two states that may hold tensors or arrays."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return bool(np.array_equal(a, b))
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)

@@ -1,0 +1,101 @@
+"""``make_resumable``: the loader a user already wrote, made distributed and resumable.
+
+A ``torch.utils.data.DataLoader`` (any subclass, any sampler or batch sampler) becomes a
+``ResumableLoader`` over the same dataset with the same batching, collation and worker settings,
+and the distributed, resumable equivalent of its sampler. Unlike Lightning's sampler
+replacement, nothing is re-instantiated from captured ``__init__`` arguments, so subclasses with
+extra required arguments convert too; behaviour a subclass adds in ``__iter__`` is not kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset, default_collate
+
+from lightning_loaders.loaders.map_style import ResumableLoader
+from lightning_loaders.orders.from_torch import order_from_batch_sampler
+from lightning_loaders.schedule.map_schedule import resolve_seed
+
+__all__ = ["loader_arguments", "make_resumable"]
+
+# Overrides that replace how the source loader batches, and the source arguments they replace.
+_REPLACES = {
+    "sampler": ("sampler",),
+    "shuffle": ("sampler",),
+    "batch_sampler": ("sampler", "batch_size", "drop_last"),
+    "last_batch": ("drop_last",),
+    "generator": ("seed",),
+}
+
+
+def make_resumable(loader: DataLoader[Any] | ResumableLoader, **overrides: Any
+                   ) -> ResumableLoader:
+    """A ``ResumableLoader`` equivalent to ``loader``; ``overrides`` are ``ResumableLoader``
+    keyword arguments that replace what the loader says (``seed``, ``last_batch``,
+    ``num_workers``, ``evaluation``, ...).
+
+    The sampler becomes an exact equivalent computed from ``(seed, epoch, position)`` for
+    torch's samplers, or is drawn once per epoch for any other sampler. The seed is, in order:
+    ``overrides["seed"]``, the loader's ``generator``, its sampler's ``generator``, then
+    ``$PL_GLOBAL_SEED`` (``seed_everything``), else 0, so it is the same on every rank.
+    """
+    if isinstance(loader, ResumableLoader):
+        if overrides:
+            raise TypeError(f"the loader is already a ResumableLoader; build it with "
+                            f"{sorted(overrides)} instead of overriding them")
+        return loader
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"make_resumable converts a torch.utils.data.DataLoader, got "
+                        f"{type(loader).__name__}")
+    arguments = loader_arguments(loader, overrides.get("seed"))
+    for name in overrides:
+        for replaced in _REPLACES.get(name, ()):
+            arguments.pop(replaced, None)
+    arguments.update(overrides)
+    return ResumableLoader(**arguments)
+
+
+def loader_arguments(loader: DataLoader[Any], seed: int | None = None) -> dict[str, Any]:
+    """``ResumableLoader`` keyword arguments that reproduce ``loader``."""
+    dataset = loader.dataset
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        raise TypeError(f"cannot convert a DataLoader over {type(dataset).__name__}: "
+                        "make_resumable needs a map-style dataset (with __len__ and __getitem__)")
+    sampler = loader.sampler if loader.batch_size is not None else loader.batch_sampler
+    generator = loader.generator or _sampler_generator(sampler)
+    arguments: dict[str, Any] = {
+        "dataset": dataset,
+        "num_workers": loader.num_workers,
+        "collate_fn": None if loader.collate_fn is default_collate else loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": generator,
+        "prefetch_factor": loader.prefetch_factor if loader.num_workers > 0 else None,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory_device": loader.pin_memory_device,
+        "in_order": getattr(loader, "in_order", True),
+        "seed": resolve_seed(seed, generator),
+    }
+    if loader.batch_size is not None:
+        arguments.update(sampler=loader.sampler, batch_size=loader.batch_size,
+                         drop_last=loader.drop_last)
+    elif loader.batch_sampler is not None:
+        order, batch_size, drop_last = order_from_batch_sampler(
+            loader.batch_sampler, len(dataset), arguments["seed"])
+        arguments.update(sampler=order, batch_size=batch_size, drop_last=drop_last)
+    else:
+        raise ValueError("cannot convert a DataLoader with batch_size=None and no batch_sampler "
+                         "(unbatched loading); use batch_size=1")
+    return arguments
+
+
+def _sampler_generator(sampler: Any) -> Any:
+    """The torch generator of the sampler (or of the sampler a batch sampler wraps), if any."""
+    for candidate in (sampler, getattr(sampler, "sampler", None)):
+        generator = getattr(candidate, "generator", None)
+        if generator is not None:
+            return generator
+    return None

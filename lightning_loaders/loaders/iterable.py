@@ -1,0 +1,345 @@
+"""``ResumableIterableLoader``: iterable datasets, sharded over ranks and workers, with equal
+batch counts on every rank and an exact resume. ``ResumableLoader(iterable_dataset, ...)``
+returns one.
+
+Slots and shards
+    Every (rank, worker) pair is a *slot*; a rank has ``max(1, num_workers)`` slots. In every
+    epoch each slot reads a fixed list of *pieces* (a shard, or a part of one) and cuts its own
+    batches from them. The main process interleaves the slots' batches round-robin (slot 0's
+    first batch, slot 1's first, ..., slot 0's second, ...; a finished slot drops out), so the
+    stream of a rank is a pure function of ``(seed, epoch, world_size, num_workers)`` and the
+    shards. Shards come from a ``ShardedSource`` (see ``lightning_loaders.sources.shards``).
+
+The plan of an epoch
+    The shard order is reshuffled per epoch (``shuffle=True``), keyed by ``(seed, epoch)``.
+
+    *Known lengths* (the source declares ``shard_lengths``): the epoch's samples are the shards
+    laid end to end in that order; rank ``r`` reads a contiguous ``1/world_size`` of them and
+    each of its slots a contiguous part of that, so shards may be split between slots (opened
+    mid-shard with ``open_shard(index, start)``). Batch counts are fixed before the epoch
+    starts and equal on every rank: ``"keep"`` reads every sample once (the last batches of a
+    rank may be smaller, never empty), ``"drop"`` reads only full batches (the tail of the
+    epoch's order is dropped), ``"pad"`` fills every batch by wrapping around to the start of
+    the epoch's order, ``"rollover"`` carries the tail over to open the next epoch. ``len()``
+    is exact and the saved state is O(1).
+
+    *Unknown lengths*: whole shards are dealt out, rank first, in the epoch's order. Each slot
+    reads its shards to the end (``"keep"`` delivers its short last batch, ``"drop"`` does
+    not). In one process every sample is read. Under DDP, ranks cannot know in advance who
+    runs out first, so every ``sync_interval`` batches they agree (one ``all_reduce`` of an
+    int, on the main thread, inside ``next()``) on how many batches all of them still have:
+    the epoch ends on every rank when the first rank runs out, and the other ranks' remaining
+    samples are not read that epoch (a warning says so once). No rank ever waits for a batch
+    another rank does not have, so there is no hang (this needs an initialised process group,
+    as under Lightning's DDP; without one, several ranks of unknown length are refused).
+    ``len()`` raises ``TypeError``; Lightning then prefetches one batch, which the saved state
+    does not count. ``"pad"`` and ``"rollover"`` need known lengths.
+
+    *Plain* ``IterableDataset`` *(no shards)*: the strided fallback. Every slot iterates the
+    whole dataset and keeps every ``k``-th sample (``k`` = world size x slots per rank), so it
+    reads ``k`` times the data, and a resume re-reads the skipped part of the stream: slower,
+    but sharded and resumable. A dataset
+    with ``__len__`` counts as known length (equal batch counts as above, per slot), else
+    unknown. The dataset must yield the same stream in every process (do not shard it by hand
+    with ``get_worker_info()``); its ``set_epoch(epoch)``, if any, is called before each epoch.
+
+    ``shuffle_buffer=n`` additionally mixes samples within a slot: its stream is cut into
+    windows of ``n`` samples, each emitted in a permutation keyed by ``(seed, epoch, rank,
+    slot, window)``.
+
+Exact resume
+    The cursor is the number of batches delivered to the caller (never counting prefetched
+    ones, nor the batch Lightning's fetcher holds ahead of the training step). With known
+    lengths every slot's position follows from it. With unknown lengths every slot reports its
+    position (piece, offset in the shard, and the shard iterator's own ``state_dict()`` if it
+    has one) with every batch; ``state_dict()`` gathers all ranks' positions with
+    ``all_gather_object`` (every rank calls it when Lightning checkpoints), so the state rank 0
+    saves restores every rank. Resuming mid-epoch with another ``num_workers`` or world size is
+    refused with an error saying why (the slots' streams would differ); at an epoch boundary
+    any configuration resumes. A worker process that dies is replaced the same way: all
+    workers restart from the position of the last batch received, so the stream goes on as if
+    nothing happened (at most ``max_worker_restarts`` times per epoch).
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset, Sampler
+
+from lightning_loaders.engines.faults import OnError
+from lightning_loaders.engines.shard_reader import SlotFetcher
+from lightning_loaders.engines.workers import WorkerLost, WorkerStalled
+from lightning_loaders.loaders.base import EpochSampler, WorkerLoader, check_current
+from lightning_loaders.loaders.prefetch import batches_held
+from lightning_loaders.schedule.map_plan import LastBatch
+from lightning_loaders.schedule.map_schedule import resolve_last_batch
+from lightning_loaders.schedule.requests import Delivered, SlotEnd, SlotRequest
+from lightning_loaders.schedule.shard_plan import PlanConfig
+from lightning_loaders.schedule.shard_schedule import IterableSchedule, agree_min
+from lightning_loaders.sources.shards import PlainStream, ShardedSource
+
+__all__ = ["ResumableIterableLoader"]
+
+
+class ResumableIterableLoader(WorkerLoader):
+    """A deterministic, sharded, exactly resumable loader over an iterable dataset.
+
+    ``ResumableLoader(dataset, ...)`` returns one when ``dataset`` is a
+    ``torch.utils.data.IterableDataset`` (a ``ShardedSource`` or a plain one). It takes
+    ``ResumableLoader``'s arguments (``sampler`` and ``batch_sampler`` must stay unset: the plan
+    decides the order), plus:
+
+    Args:
+        shuffle: reshuffle the shard order every epoch, keyed by ``(seed, epoch)``.
+        evaluation: with known shard lengths, ``last_batch="keep"`` and ``batch_size=1``,
+            leftover samples (fewer than ranks) join the last batch of the first ranks instead
+            of failing (as for ``ResumableLoader``).
+        shuffle_buffer: mix samples within each (rank, worker) slot in windows of this many
+            samples (0: off). Costs that many samples of memory per worker.
+        sync_interval: with unknown lengths under DDP, batches between two agreements of the
+            ranks on how many batches they all still have (each rank holds up to this many
+            batches ahead to answer, and its workers prefetch at least as many).
+
+    See the module docstring for the plan, the equal-count strategies and resume.
+    """
+
+    def __init__(
+        self,
+        dataset: IterableDataset[Any],
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool | None = None,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        seed: int | None = None,
+        last_batch: LastBatch | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        on_error: OnError = "raise",
+        max_worker_restarts: int = 3,
+        evaluation: bool = False,
+        shuffle_buffer: int = 0,
+        sync_interval: int = 8,
+    ) -> None:
+        if sampler is not None or batch_sampler is not None:
+            raise ValueError("an iterable dataset takes no sampler or batch_sampler (as in "
+                             "DataLoader): the plan decides the order; shuffle shards with "
+                             "shuffle=True and mix samples with shuffle_buffer")
+        self.last_batch: LastBatch = resolve_last_batch(last_batch, drop_last)
+        self._take_options(
+            dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
+            pin_memory=pin_memory, drop_last=self.last_batch == "drop", timeout=timeout,
+            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+            generator=generator, prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
+            in_order=in_order, seed=seed, on_error=on_error,
+            max_worker_restarts=max_worker_restarts)
+        if on_error != "raise":
+            raise ValueError(f"on_error={on_error!r} is not supported for iterable datasets: a "
+                             "shard iterator that raised cannot go on past the failing sample; "
+                             "skip bad records inside open_shard instead")
+        for name, value, low in (("shuffle_buffer", shuffle_buffer, 0),
+                                 ("sync_interval", sync_interval, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        source = dataset if isinstance(dataset, ShardedSource) else PlainStream(dataset)
+        strided = isinstance(source, PlainStream)
+        lengths = source.shard_lengths
+        if not source.shards:
+            raise ValueError(f"{type(dataset).__name__} declares no shards")
+        if lengths is not None and sum(lengths) == 0:
+            raise ValueError(f"the dataset ({type(dataset).__name__}) is empty: its shard "
+                             "lengths add up to 0")
+        if self.last_batch == "rollover" and (lengths is None or strided):
+            raise ValueError("last_batch='rollover' needs a ShardedSource with known shard "
+                             "lengths; use 'keep' or 'drop'")
+        if self.last_batch == "pad" and lengths is None:
+            raise ValueError("last_batch='pad' needs known lengths (shard_lengths, or __len__ "
+                             "on a plain dataset) to know what to pad; use 'keep' or 'drop'")
+        if shuffle and strided and shuffle_buffer == 0:
+            raise ValueError(f"shuffle=True on a plain {type(dataset).__name__} (no shards to "
+                             "reorder) needs shuffle_buffer > 0 to mix samples")
+        self.shuffle = bool(shuffle)
+        self.shuffle_buffer = shuffle_buffer
+        self.sync_interval = sync_interval
+        config = PlanConfig(None if lengths is None else tuple(lengths), len(source.shards),
+                            strided, self.batch_size, self.last_batch, self.shuffle, self.seed,
+                            merge_short_tail=evaluation and not strided)
+        slots = max(1, num_workers)
+        self.schedule = IterableSchedule(config, slots, max(1, shuffle_buffer),
+                                         source.fingerprint, rank, world_size)
+        self.sampler = EpochSampler(self.schedule)
+        self._fetcher = SlotFetcher(source, config, slots, max(1, shuffle_buffer), collate_fn)
+        self._warned_surplus = False
+
+    # -- the DataLoader surface -------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (equal on every rank); ``TypeError`` when the
+        lengths are unknown or under ``last_batch="rollover"``."""
+        return self.schedule.num_batches()
+
+    def __repr__(self) -> str:
+        schedule = self.schedule
+        rank, world_size = schedule.placement
+        epoch = "not started" if schedule.epoch is None else schedule.epoch
+        config = schedule.config
+        lengths = "unknown" if config.lengths is None else sum(config.lengths)
+        kind = "strided" if config.strided else f"{config.num_shards} shards"
+        return (f"{type(self).__name__}(dataset={type(self.dataset).__name__}({kind}, "
+                f"samples={lengths}), batch_size={self.batch_size}, shuffle={self.shuffle}, "
+                f"shuffle_buffer={self.shuffle_buffer}, last_batch={self.last_batch!r}, "
+                f"num_workers={self.num_workers}, rank={rank}/{world_size}, seed={self.seed}, "
+                f"epoch={epoch}, batches={schedule.batches})")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor as a plain dict; with unknown lengths every rank's slot positions,
+        gathered from all ranks (every rank must call it, as Lightning does)."""
+        return self.schedule.state_dict(held=batches_held(self._prefetcher))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a cursor; the next ``iter()`` continues exactly after its last batch."""
+        self.schedule.load_state_dict(state_dict)
+
+    def close(self) -> None:
+        """Shut the worker processes (and, without workers, the open shards) down now; they
+        also stop when the loader is collected. Iterating again continues from the cursor."""
+        super().close()
+        self._fetcher.close()
+
+    def _new_iterator(self, token: int) -> _IterableLoaderIterator:
+        return _IterableLoaderIterator(self, token)
+
+    def _position(self) -> int:
+        return self.schedule.received_batches
+
+    # -- delivery ---------------------------------------------------------------------------
+
+    def _deliver(self) -> Iterator[Any]:
+        """The rest of the current epoch, counted as each batch is handed over."""
+        schedule = self.schedule
+        received = self._received()
+        items = (self._agreed(received) if schedule.synced
+                 else ((item, False) for item in received))
+        for item, last in items:
+            schedule.delivered(item, last)
+            yield item.data
+        schedule.finish()
+
+    def _received(self) -> Iterator[Delivered]:
+        """Batches in plan order as the workers answer, skipping the slots' end markers;
+        dead workers are replaced and continue after the last batch received."""
+        schedule = self.schedule
+        if schedule.ended:
+            return
+        while True:
+            try:
+                for item in self._workers():
+                    schedule.received(item)
+                    if isinstance(item, Delivered):
+                        yield item
+                return
+            except WorkerLost as lost:
+                self._recover(lost)
+                schedule.restart_after_received()
+            except WorkerStalled as stalled:
+                raise self._stall_error(stalled) from None
+
+    def _agreed(self, items: Iterator[Delivered]) -> Iterator[tuple[Delivered, bool]]:
+        """Unknown lengths under DDP: deliver only batches every rank has.
+
+        Every ``sync_interval`` batches each rank reads that many ahead and the ranks take the
+        minimum of ``2 * count + (0 if the rank has nothing after them else 1)``: everyone then
+        delivers ``count`` more batches, and the epoch ends after them when the rank with the
+        fewest has nothing left.
+        """
+        schedule = self.schedule
+        while True:
+            ahead = list(itertools.islice(items, self.sync_interval))
+            done_here = len(ahead) < self.sync_interval or len(schedule.exhausted) == schedule.slots
+            agreed = agree_min(2 * len(ahead) + (0 if done_here else 1))
+            count, ends = agreed // 2, agreed % 2 == 0
+            for i, item in enumerate(ahead[:count]):
+                yield item, ends and i == count - 1
+            if ends:
+                if (len(ahead) > count or not done_here) and not self._warned_surplus:
+                    self._warned_surplus = True
+                    rank, world_size = schedule.placement
+                    warnings.warn(
+                        f"rank {rank} of {world_size} ended epoch {schedule.epoch} after "
+                        f"{schedule.batches} batches because another rank ran out of data: with "
+                        "unknown shard lengths every rank stops when the first one does, so the "
+                        "rest of this rank's shards is not read this epoch. Declare the shard "
+                        "lengths to balance the ranks exactly (warned once)", stacklevel=2)
+                return
+
+    def _workers(self) -> Iterator[Delivered | SlotEnd]:
+        """torch's DataLoader over the current generation's requests (workers persistent)."""
+        prefetch = self.prefetch_factor
+        if self.num_workers > 0 and self.schedule.synced:  # ranks agree on batches in hand
+            prefetch = max(prefetch or 2, -(-self.sync_interval // self.num_workers))
+        sampler = _RequestSampler(self.schedule, self.num_workers > 0)
+        return iter(self._worker_pool(self._fetcher, sampler, prefetch))
+
+
+class _IterableLoaderIterator:
+    """Counts a batch when it is handed to the caller, never when it is prefetched."""
+
+    def __init__(self, loader: ResumableIterableLoader, token: int) -> None:
+        self._loader = loader
+        self._token = token
+        self._batches: Iterator[Any] | None = None
+        self._generation = -1
+        self._started = False
+
+    def __iter__(self) -> _IterableLoaderIterator:
+        return self
+
+    def __next__(self) -> Any:
+        loader = self._loader
+        check_current(loader, self._token)
+        if self._batches is None or self._generation != loader._generation:
+            if self._started:  # after an error or close(): go on from the cursor
+                loader.schedule.restart()
+            else:
+                loader.schedule.begin_epoch()
+                loader._epoch_restarts = 0
+                self._started = True
+            self._generation = loader._generation
+            self._batches = loader._deliver()
+        try:
+            return next(self._batches)
+        except StopIteration:
+            raise
+        except BaseException:
+            self._batches = None
+            loader.close()
+            raise
+
+
+class _RequestSampler(Sampler[SlotRequest]):
+    """The internal DataLoader's sampler: the current generation's requests at every iter()."""
+
+    def __init__(self, schedule: IterableSchedule, with_skips: bool) -> None:
+        self._schedule = schedule
+        self._with_skips = with_skips
+
+    def __iter__(self) -> Iterator[SlotRequest]:
+        return self._schedule.requests(self._with_skips)

@@ -1,0 +1,99 @@
+"""Construction-time checks of loader arguments: each error names the value and the fix.
+
+Shared by the loaders of this package so that an impossible setting fails when the loader is
+built, not minutes later in a worker process or at the first batch.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+from typing import Any
+
+from lightning_loaders.engines.faults import ON_ERROR
+
+__all__ = ["check_loader_arguments", "check_picklable", "start_method"]
+
+
+def check_loader_arguments(*, batch_size: Any, num_workers: Any, timeout: Any,
+                           prefetch_factor: Any, persistent_workers: Any, collate_fn: Any,
+                           worker_init_fn: Any, multiprocessing_context: Any, on_error: Any,
+                           max_worker_restarts: Any) -> None:
+    """Raise ``ValueError``/``TypeError`` for arguments no loader can run with."""
+    if not _is_int(batch_size) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r} (unbatched "
+                         "loading is not supported: use batch_size=1)")
+    if not _is_int(num_workers) or num_workers < 0:
+        raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}: use 0 to load "
+                         "in the main process, or the number of worker processes to start")
+    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout < 0:
+        raise ValueError(f"timeout must be a number >= 0, got {timeout!r}: use 0 to wait "
+                         "without limit, or the seconds a worker may take for one batch")
+    if timeout > 0 and num_workers == 0:
+        raise ValueError(f"timeout={timeout} needs worker processes: it limits how long the "
+                         "main process waits for a worker; set num_workers > 0 or timeout=0")
+    if prefetch_factor is not None:
+        if num_workers == 0:
+            raise ValueError(f"prefetch_factor={prefetch_factor} needs num_workers > 0 (as in "
+                             "DataLoader): set num_workers, or drop prefetch_factor")
+        if not _is_int(prefetch_factor) or prefetch_factor < 1:
+            raise ValueError(f"prefetch_factor must be an int >= 1, got {prefetch_factor!r} "
+                             "(batches each worker prepares ahead; default 2)")
+    if persistent_workers and num_workers == 0:
+        raise ValueError("persistent_workers=True needs num_workers > 0 (as in DataLoader): "
+                         "set num_workers, or drop persistent_workers")
+    for name, fn in (("collate_fn", collate_fn), ("worker_init_fn", worker_init_fn)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be callable, got a {type(fn).__name__}: {fn!r}")
+    if isinstance(multiprocessing_context, str):
+        methods = multiprocessing.get_all_start_methods()
+        if multiprocessing_context not in methods:
+            raise ValueError(f"multiprocessing_context={multiprocessing_context!r} is not a "
+                             f"start method on this platform: use one of {methods}")
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+    if not _is_int(max_worker_restarts) or max_worker_restarts < 0:
+        raise ValueError(f"max_worker_restarts must be an int >= 0, got "
+                         f"{max_worker_restarts!r}: use 0 to raise at the first worker crash")
+
+
+def start_method(multiprocessing_context: Any) -> str:
+    """The start method worker processes will use (without fixing the process default)."""
+    if multiprocessing_context is None:
+        chosen = multiprocessing.get_start_method(allow_none=True)
+        return chosen or multiprocessing.get_all_start_methods()[0]
+    if isinstance(multiprocessing_context, str):
+        return multiprocessing_context
+    return str(multiprocessing_context.get_start_method())
+
+
+def check_picklable(method: str, **objects: Any) -> None:
+    """Workers started by ``spawn``/``forkserver`` receive these pickled: refuse the ones that
+    cannot be, naming them and the fix (``fork`` copies the process, so anything works)."""
+    if method == "fork":
+        return
+    for name, value in objects.items():
+        if value is None:
+            continue
+        try:
+            pickle.Pickler(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+        except Exception as exc:
+            raise ValueError(
+                f"the {name} cannot be pickled ({type(exc).__name__}: {exc}), but worker "
+                f"processes started with {method!r} receive it pickled. Define its class or "
+                "function at module level (not inside a function or as a lambda) and keep "
+                "open files, locks and connections out of it (open them in worker_init_fn); "
+                "or use multiprocessing_context='fork' where available, or num_workers=0"
+            ) from exc
+
+
+class _Discard:
+    """A file that forgets what is written: pickling only to check that it works."""
+
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+

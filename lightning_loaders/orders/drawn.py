@@ -1,0 +1,261 @@
+"""Orders drawn from arbitrary user samplers and batch samplers, one epoch at a time.
+
+A sampler that is not one of torch's built-in ones has no known semantics, so its epoch is drawn:
+once per epoch on every rank (its first ``len()`` indices, as a trainer that stops at
+``len()`` would read), after seeding everything it could draw randomness from (its
+``generator`` attribute and that of a wrapped ``.sampler``, the ``random``/``numpy``/``torch``
+global RNGs) from ``(seed, epoch)`` and calling its ``set_epoch(epoch)`` when it has one. Every
+rank then holds the same epoch and the global plan gives each rank its slice of every global
+batch. The first draw is made twice to check that the sampler is deterministic given that
+seeding; if not, exact resume and consistent ranks are impossible and a warning says so.
+
+The state is the loader's cursor plus, when the sampler has ``state_dict``/``load_state_dict``,
+its state just before and just after the draw of the epochs in the cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from itertools import islice
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_loaders.context import seeded_global_rngs
+from lightning_loaders.hashing import mix64
+
+__all__ = ["DrawnBatchOrder", "DrawnOrder"]
+
+_TAG = 0x5A3D
+_CACHED_EPOCHS = 2  # rollover plans read two consecutive epochs
+_GENERATOR_DEPTH = 4
+
+
+class DrawnOrder:
+    """Any other sampler: its indices, drawn once per epoch with seeded randomness."""
+
+    batched = False
+
+    def __init__(self, sampler: Any, seed: int) -> None:
+        self.sampler = sampler
+        self.seed = seed
+        self._name = type(sampler).__qualname__
+        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._states: OrderedDict[int, dict[str, Any]] = OrderedDict()
+        self._pending: dict[int, dict[str, Any]] | None = None
+        self._checked = False
+        _warn_if_rank_aware(sampler)
+        self._length = _declared_length(sampler) if not self.batched else None
+        if self._length is None:
+            self._length = len(self._epoch(0))
+
+    def __len__(self) -> int:
+        assert self._length is not None
+        return self._length
+
+    def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        return self._epoch(epoch)[np.asarray(positions, dtype=np.int64)]
+
+    @property
+    def fingerprint(self) -> str:
+        return f"drawn({self._name}, len={self._length})"
+
+    # -- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's own state around the draws of the cached epochs (empty without one)."""
+        states = self._pending if self._pending is not None else self._states
+        return {"draws": {str(epoch): dict(state) for epoch, state in states.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next draw of epoch ``e`` start from the sampler state it had at ``e``."""
+        draws = state.get("draws", {}) if isinstance(state, dict) else {}
+        self._pending = {int(epoch): dict(s) for epoch, s in draws.items()}
+        self._cache.clear()
+
+    # -- drawing ----------------------------------------------------------------------------
+
+    def _epoch(self, epoch: int) -> np.ndarray:
+        cached = self._cache.get(epoch)
+        if cached is not None:
+            return cached
+        self._restore_for(epoch)
+        before = _sampler_state(self.sampler)
+        drawn = self._draw(epoch)
+        if not self._checked:
+            self._checked = True
+            if before is not None:
+                self.sampler.load_state_dict(copy.deepcopy(before))
+            again = self._draw(epoch)
+            if not np.array_equal(drawn, again):
+                warnings.warn(
+                    f"{self._name} is not deterministic given the seed: two draws of epoch "
+                    f"{epoch} after the same seeding differed. Ranks will draw different orders "
+                    "(samples repeated or skipped across ranks) and no resume can reproduce an "
+                    "interrupted epoch. Draw randomness from the sampler's `generator`, the "
+                    "global torch/numpy/random RNGs or `set_epoch` (all seeded per epoch), or "
+                    "give the sampler state_dict()/load_state_dict().",
+                    stacklevel=4,
+                )
+            drawn = again
+        self._remember(epoch, drawn, before)
+        return drawn
+
+    def _draw(self, epoch: int) -> np.ndarray:
+        with _seeded(self.sampler, self.seed, epoch):
+            set_epoch = getattr(self.sampler, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
+            items = iter(self.sampler)
+            return self._collect(items, epoch)
+
+    def _collect(self, items: Iterator[Any], epoch: int) -> np.ndarray:
+        if self._length is None:
+            return _as_indices(list(items), self._name)
+        drawn = _as_indices(list(islice(items, self._length)), self._name)
+        if len(drawn) != self._length:
+            raise ValueError(f"{self._name} yielded only {len(drawn)} indices in epoch {epoch}, "
+                             f"but len() is {self._length}: every epoch must have len() indices")
+        return drawn
+
+    def _remember(self, epoch: int, drawn: np.ndarray, before: Any) -> None:
+        self._cache[epoch] = drawn
+        after = _sampler_state(self.sampler)
+        if after is not None:
+            self._states[epoch] = {"before": before, "after": after}
+        for cache in (self._cache, self._states):
+            while len(cache) > _CACHED_EPOCHS:
+                cache.popitem(last=False)
+
+    def _restore_for(self, epoch: int) -> None:
+        """After ``load_state_dict``: put the sampler where it was when ``epoch`` was drawn."""
+        pending, self._pending = self._pending, None
+        load = getattr(self.sampler, "load_state_dict", None)
+        if not pending or load is None:
+            return
+        if epoch in pending:
+            load(copy.deepcopy(pending[epoch]["before"]))
+            return
+        earlier = [e for e in pending if e < epoch]
+        if earlier:
+            load(copy.deepcopy(pending[max(earlier)]["after"]))
+
+
+class DrawnBatchOrder(DrawnOrder):
+    """Any other batch sampler: its batches laid end to end, so that global batch ``g`` holds
+    its batches ``g * world_size ..`` and rank ``r`` reads batch ``g * world_size + r``.
+
+    All batches but the last must have the same size (``batch_size``, learnt from the first
+    draw); a shorter last one is kept. Variable-size batches (bucketing) cannot be planned.
+    """
+
+    batched = True
+
+    def __init__(self, batch_sampler: Any, seed: int) -> None:
+        self.batch_size = 0
+        super().__init__(batch_sampler, seed)
+
+    @property
+    def fingerprint(self) -> str:
+        return f"drawn-batches({self._name}, len={self._length}, batch_size={self.batch_size})"
+
+    def _collect(self, items: Iterator[Any], epoch: int) -> np.ndarray:
+        batches = [_as_indices(list(batch), self._name) for batch in items]
+        sizes = [len(batch) for batch in batches]
+        if not sizes or sizes[0] == 0:
+            raise ValueError(f"{self._name} yielded no batch (or an empty one) in epoch {epoch}")
+        if self.batch_size == 0:
+            self.batch_size = sizes[0]
+        odd = [i for i, size in enumerate(sizes[:-1]) if size != self.batch_size]
+        if odd or sizes[-1] > self.batch_size:
+            i = odd[0] if odd else len(sizes) - 1
+            raise ValueError(
+                f"{self._name} yields batches of different sizes ({sizes[i]} at batch {i} of "
+                f"epoch {epoch}, batch_size {self.batch_size} before): a distributed plan needs "
+                "one batch size (only the last batch may be shorter)"
+            )
+        drawn = np.concatenate(batches)
+        if self._length is not None and len(drawn) != self._length:
+            raise ValueError(f"{self._name} yielded {len(drawn)} indices in epoch {epoch}, "
+                             f"{self._length} in the first: every epoch must have the same length")
+        return drawn
+
+
+def _declared_length(sampler: Any) -> int | None:
+    try:
+        return int(len(sampler))
+    except TypeError:
+        return None
+
+
+def _as_indices(items: list[Any], name: str) -> np.ndarray:
+    """The drawn items as an int64 array, refusing anything that is not a dataset index."""
+    try:
+        array = np.asarray(items)
+    except (TypeError, ValueError):
+        array = np.asarray(items, dtype=object)
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if array.ndim == 1 and array.dtype.kind in "iu":
+        return array.astype(np.int64, copy=False)
+    try:
+        return np.array([operator.index(item) for item in items], dtype=np.int64)
+    except TypeError:
+        raise TypeError(f"{name} yielded {items[0]!r} ({type(items[0]).__name__}): a resumable "
+                        "order needs integer dataset indices") from None
+
+
+def _sampler_state(sampler: Any) -> Any:
+    if callable(getattr(sampler, "state_dict", None)) and callable(
+            getattr(sampler, "load_state_dict", None)):
+        return copy.deepcopy(sampler.state_dict())
+    return None
+
+
+def _generator_holders(sampler: Any) -> list[Any]:
+    """The sampler and wrapped samplers (``.sampler``) that draw from a torch ``generator``."""
+    holders, current = [], sampler
+    for _ in range(_GENERATOR_DEPTH):
+        if current is None:
+            break
+        generator = getattr(current, "generator", False)
+        if generator is None or isinstance(generator, torch.Generator):
+            holders.append(current)
+        current = getattr(current, "sampler", None)
+    return holders
+
+
+@contextmanager
+def _seeded(sampler: Any, seed: int, epoch: int) -> Iterator[None]:
+    """Seed every RNG the sampler could use from ``(seed, epoch)``; restore them afterwards."""
+    replaced = []
+    with seeded_global_rngs(seed, epoch, _TAG):
+        try:
+            for depth, holder in enumerate(_generator_holders(sampler)):
+                generator = torch.Generator().manual_seed(mix64(seed, epoch, _TAG, depth) >> 1)
+                try:
+                    previous = holder.generator
+                    holder.generator = generator
+                except AttributeError:
+                    continue
+                replaced.append((holder, previous))
+            yield
+        finally:
+            for holder, previous in replaced:
+                holder.generator = previous
+
+
+def _warn_if_rank_aware(sampler: Any) -> None:
+    if hasattr(sampler, "num_replicas") and hasattr(sampler, "rank"):
+        warnings.warn(
+            f"{type(sampler).__qualname__} looks rank-aware (it has num_replicas and rank): the "
+            "loader already gives each rank its share of the sampler's order, so a sampler that "
+            "shards by rank itself is sharded twice. Give it a sampler over the whole dataset.",
+            stacklevel=4,
+        )

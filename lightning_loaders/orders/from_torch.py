@@ -1,0 +1,79 @@
+"""Turning a ``torch.utils.data`` sampler into a ``SampleOrder`` the global plan can shard.
+
+torch's own samplers map to exact semantic equivalents computed from ``(seed, epoch, position)``
+(O(1) state, no materialisation). Their subclasses and every other sampler may behave
+differently, so they are drawn once per epoch instead (``drawn_orders``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils.data import (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
+
+from lightning_loaders.orders.base import SampleOrder, SequentialOrder, ShuffledOrder
+from lightning_loaders.orders.drawn import DrawnBatchOrder, DrawnOrder
+from lightning_loaders.orders.dynamic_weighted import DynamicWeightedSampler
+from lightning_loaders.orders.random import (
+    RepeatedShuffleOrder,
+    ReplacementOrder,
+    SubsetOrder,
+    WeightedOrder,
+)
+
+__all__ = ["order_from_batch_sampler", "order_from_sampler"]
+
+
+def order_from_sampler(sampler: Any, dataset_len: int, seed: int) -> SampleOrder:
+    """The distributed, resumable equivalent of ``sampler`` over a dataset of ``dataset_len``.
+
+    ``SequentialSampler``, ``RandomSampler`` (with or without replacement, any ``num_samples``),
+    ``SubsetRandomSampler``, ``WeightedRandomSampler`` and ``DistributedSampler`` (whose sharding
+    the plan replaces) become counter-based orders keyed by ``seed``; a ``SampleOrder`` is used
+    as is; anything else iterable is drawn once per epoch (see ``DrawnOrder``).
+    """
+    if isinstance(sampler, DynamicWeightedSampler):
+        return sampler.bind(seed)
+    if isinstance(sampler, SampleOrder):
+        return sampler
+    kind = type(sampler)
+    if kind is SequentialSampler:
+        return SequentialOrder(len(sampler))
+    if kind is RandomSampler:
+        n = len(sampler.data_source)
+        if sampler.replacement:
+            return ReplacementOrder(n, sampler.num_samples, seed)
+        if sampler.num_samples == n:
+            return ShuffledOrder(n, seed)
+        return RepeatedShuffleOrder(n, sampler.num_samples, seed)
+    if kind is SubsetRandomSampler:
+        return SubsetOrder(sampler.indices, seed)
+    if kind is WeightedRandomSampler:
+        return WeightedOrder(sampler.weights, sampler.num_samples, sampler.replacement, seed)
+    if kind is DistributedSampler:
+        n = len(sampler.dataset)
+        return ShuffledOrder(n, seed) if sampler.shuffle else SequentialOrder(n)
+    if not hasattr(sampler, "__iter__"):
+        raise TypeError(f"cannot use a {kind.__name__} as a sampler: it is not iterable")
+    return DrawnOrder(sampler, seed)
+
+
+def order_from_batch_sampler(batch_sampler: Any, dataset_len: int,
+                             seed: int) -> tuple[SampleOrder, int, bool]:
+    """``(order, batch_size, drop_last)`` equivalent to ``batch_sampler``.
+
+    A torch ``BatchSampler`` is its sampler's order cut into batches; any other batch sampler
+    is drawn once per epoch and its (fixed-size) batches laid end to end.
+    """
+    if type(batch_sampler) is BatchSampler:
+        order = order_from_sampler(batch_sampler.sampler, dataset_len, seed)
+        return order, batch_sampler.batch_size, batch_sampler.drop_last
+    drawn = DrawnBatchOrder(batch_sampler, seed)
+    return drawn, drawn.batch_size, False

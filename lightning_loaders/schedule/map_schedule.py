@@ -1,0 +1,317 @@
+"""``MapSchedule``: the plan of every epoch plus the cursor, for loaders over indexable data.
+
+It answers "which dataset indices does this rank read in each remaining batch of the current
+epoch", owns the epoch against the trainer's ``set_epoch`` calls, counts delivered batches and
+saves/restores itself as a ``LoaderState``. ``ResumableLoader`` and the DALI/FFCV adapters
+differ only in the engine that turns its requests into batches.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_loaders.orders.base import SampleOrder
+from lightning_loaders.placement import resolve_rank_world
+from lightning_loaders.schedule.map_plan import (
+    LAST_BATCH_POLICIES,
+    EpochPlan,
+    LastBatch,
+    rollover_span,
+)
+from lightning_loaders.schedule.requests import BatchRequest
+from lightning_loaders.state import LoaderState
+
+__all__ = [
+    "MapSchedule",
+    "following_epoch",
+    "resolve_last_batch",
+    "resolve_seed",
+    "trainer_moved_on",
+]
+
+ORDER_STATE = "order"
+_BLOCK_SAMPLES = 8192  # positions planned per order.indices call (~64 KiB of int64 per array)
+
+
+class MapSchedule:
+    """Plan and cursor of a loader over ``order`` in batches of ``batch_size`` per rank.
+
+    The cursor is ``(epoch, batches delivered in it)``. ``set_epoch`` records the trainer's
+    epoch; ``begin_epoch`` (at the first ``next()`` of a new iterator) decides what comes next:
+
+    - a restored cursor continues, unless it is at its epoch's end or the trainer has moved to a
+      later epoch than the one the cursor's epoch began under (an earlier or equal trainer epoch
+      is stale: Lightning may pass one on restart, #21938);
+    - otherwise the next epoch starts: one past the current epoch, or the trainer's epoch if that
+      is later (so an unfinished epoch's tail is abandoned, as after ``limit_train_batches``).
+
+    The trainer epoch an epoch began under is saved with the cursor, so a restored loader makes
+    exactly the decision the uninterrupted one would have made.
+    """
+
+    def __init__(self, order: SampleOrder, batch_size: int, last_batch: LastBatch, seed: int,
+                 rank: int | None = None, world_size: int | None = None,
+                 merge_short_tail: bool = False) -> None:
+        self.order = order
+        self.merge_short_tail = merge_short_tail
+        self.dataset_len = len(order)
+        self.batch_size = batch_size
+        self.last_batch = last_batch
+        self.seed = seed
+        self._explicit_placement = (rank, world_size)
+        self._placement: tuple[int, int] | None = None
+        self.epoch: int | None = None
+        self.batches = 0
+        self._offset_batches = 0
+        self.plan: EpochPlan | None = None
+        self._pending: LoaderState | None = None
+        self._trainer_epoch: int | None = None
+        self._owner: int | None = None
+
+    # -- placement and size -----------------------------------------------------------------
+
+    @property
+    def placement(self) -> tuple[int, int]:
+        """``(rank, world_size)``: fixed at the first epoch start, resolved afresh before it."""
+        if self._placement is not None:
+            return self._placement
+        return resolve_rank_world(*self._explicit_placement)
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (equal on every rank)."""
+        if self.last_batch == "rollover":
+            raise TypeError("len() is undefined with last_batch='rollover': epochs differ in "
+                            "length by one batch as leftovers roll over")
+        return self.plan_for(0, self.placement[1]).num_batches
+
+    def samples_per_epoch(self) -> int:
+        """Samples this rank reads in a full epoch."""
+        rank, world_size = self.placement
+        plan = self.plan_for(0, world_size)
+        return sum(len(plan.positions(b, rank)) for b in range(plan.num_batches))
+
+    def plan_for(self, epoch: int, world_size: int, offset_position: int = 0) -> EpochPlan:
+        if self.last_batch == "rollover":
+            start, stop = rollover_span(epoch, self.dataset_len, self.batch_size * world_size)
+            return EpochPlan(start, stop, self.batch_size, world_size, "drop")
+        plan = EpochPlan(offset_position, self.dataset_len, self.batch_size, world_size,
+                         self.last_batch, merge_short_tail=self.merge_short_tail)
+        if offset_position == 0 and plan.num_batches == 0:
+            raise ValueError(
+                f"last_batch='drop' leaves no batch: {self.dataset_len} samples are fewer than "
+                f"one global batch of {world_size} ranks x batch_size {self.batch_size}; use a "
+                "smaller batch_size, fewer ranks, or last_batch='pad' (or 'keep' with at least "
+                "one sample per rank)"
+            )
+        return plan
+
+    # -- epochs -----------------------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Record the trainer's epoch; it takes effect at the next epoch start."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        self._trainer_epoch = epoch
+
+    def begin_epoch(self) -> None:
+        """Fix placement and decide which epoch and batch come next (see the class docstring)."""
+        _, world_size = self._placement = self.placement
+        pending, self._pending = self._pending, None
+        trainer = self._trainer_epoch
+        if pending is not None:
+            self._resume(pending, world_size)
+            if self.remaining > 0 and not trainer_moved_on(trainer, self._owner):
+                return
+        self._start(following_epoch(self.epoch, trainer, self._owner), 0, 0, world_size,
+                    owner=trainer)
+
+    @property
+    def order_version(self) -> int:
+        """Changes when the order's indices change mid-epoch (a re-weighted sampler)."""
+        return int(getattr(self.order, "version", 0))
+
+    @property
+    def remaining(self) -> int:
+        """Batches of the current epoch not yet delivered."""
+        assert self.plan is not None
+        return self.plan.num_batches - (self.batches - self._offset_batches)
+
+    def delivered(self) -> None:
+        """Count one batch handed to the caller."""
+        self.batches += 1
+
+    def requests(self) -> Iterator[BatchRequest]:
+        """This rank's remaining batch requests of the current epoch, from the cursor on."""
+        assert self.plan is not None and self.epoch is not None
+        return _batch_requests(self.plan, self.epoch, self.batches, self._offset_batches,
+                               self.placement[0], self.order,
+                               self.dataset_len if self.last_batch == "rollover" else None)
+
+    def _start(self, epoch: int, batches: int, offset_batches: int, world_size: int,
+               offset_position: int = 0, owner: int | None = None) -> None:
+        self.epoch, self.batches, self._offset_batches = epoch, batches, offset_batches
+        self._owner = owner
+        self.plan = self.plan_for(epoch, world_size, offset_position)
+
+    def _resume(self, state: LoaderState, world_size: int) -> None:
+        if state.world_size == world_size:
+            self._start(state.epoch, state.batches, state.offset_batches, world_size,
+                        state.offset_position, state.trainer_epoch)
+            return
+        if self.last_batch == "rollover":
+            raise ValueError(f"cannot resume last_batch='rollover' with another world size: "
+                             f"saved {state.world_size}, now {world_size}")
+        saved = self.plan_for(state.epoch, state.world_size, state.offset_position)
+        position = saved.consumed(state.batches - state.offset_batches)
+        self._start(state.epoch, state.batches, state.batches, world_size, position,
+                    state.trainer_epoch)
+        full_epoch = self.plan_for(state.epoch, world_size).num_batches
+        if state.batches + self.remaining > full_epoch:
+            warnings.warn(
+                f"elastic resume from world size {state.world_size} to {world_size} after "
+                f"{state.batches} batches leaves {self.remaining} batches in this epoch, "
+                f"past len()={full_epoch}: a trainer that stops at len() (Lightning does) would "
+                "skip the last ones. Resume at an epoch end, or on fewer ranks.",
+                stacklevel=4,
+            )
+
+    # -- state ------------------------------------------------------------------------------
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"dataset_len": self.dataset_len, "seed": self.seed,
+                "batch_size": self.batch_size, "last_batch": self.last_batch,
+                "order": self.order.fingerprint}
+
+    def state_dict(self, held: int = 0) -> dict[str, Any]:
+        """The cursor as a small plain dict (O(1) in dataset length and worker count).
+
+        ``held``: batches delivered but not yet used by the consumer (a prefetching trainer);
+        they are not counted, so a resume delivers them again.
+        """
+        if self._pending is not None:
+            return self._pending.to_dict()
+        trainer = self._trainer_epoch
+        if self.epoch is None:
+            state = LoaderState(trainer or 0, 0, self.placement[1], trainer_epoch=trainer,
+                                fingerprint=self.fingerprint(), extra=self._order_state())
+        else:
+            assert self.plan is not None
+            offset = 0 if self.last_batch == "rollover" else self.plan.start
+            batches = max(self.batches - held, self._offset_batches)
+            state = LoaderState(self.epoch, batches, self.placement[1], offset,
+                                self._offset_batches, self._owner, fingerprint=self.fingerprint(),
+                                extra=self._order_state())
+        return state.to_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a cursor; the next ``begin_epoch`` continues exactly after its last batch."""
+        state = LoaderState.from_dict(state_dict, self.fingerprint())
+        self._check_cursor(state)
+        self._pending = state
+        load = getattr(self.order, "load_state_dict", None)
+        if load is not None and ORDER_STATE in self._pending.extra:
+            load(self._pending.extra[ORDER_STATE])
+
+    def _check_cursor(self, state: LoaderState) -> None:
+        """Refuse a cursor outside the plan it was counted in (a corrupted or edited state)."""
+        try:
+            plan = self.plan_for(state.epoch, state.world_size, state.offset_position)
+        except ValueError as exc:
+            raise ValueError(f"corrupted loader state: epoch {state.epoch} from position "
+                             f"{state.offset_position} on world size {state.world_size} has no "
+                             f"plan ({exc})") from exc
+        if state.batches - state.offset_batches > plan.num_batches:
+            raise ValueError(f"corrupted loader state: batches={state.batches} is past the end "
+                             f"of epoch {state.epoch}, which has "
+                             f"{state.offset_batches + plan.num_batches} batches on world size "
+                             f"{state.world_size}")
+
+    def _order_state(self) -> dict[str, Any]:
+        """The order's own state (a drawn sampler's, re-weighted weights), if it has one."""
+        save = getattr(self.order, "state_dict", None)
+        return {} if save is None else {ORDER_STATE: save()}
+
+
+def _batch_requests(plan: EpochPlan, epoch: int, batches: int, offset_batches: int, rank: int,
+                    order: SampleOrder, stream_epoch_len: int | None) -> Iterator[BatchRequest]:
+    """Requests for batches ``batches..`` of ``plan`` (a free function: the generator must not
+    keep its schedule alive). ``stream_epoch_len`` is set when positions are rollover stream
+    positions, which span the permutations of two epochs.
+
+    Even batches are planned a block at a time (one ``order.indices`` call per block), the last
+    one or two batches of an epoch one by one.
+    """
+    block = max(1, _BLOCK_SAMPLES // plan.batch_size)
+    batch = batches - offset_batches
+    while batch < plan.num_batches:
+        stop = min(batch + block, plan.even_batches)
+        if stop > batch:
+            positions = plan.even_positions(batch, stop, rank)
+        else:
+            stop = batch + 1
+            positions = plan.positions(batch, rank)[None, :]
+        sample_epochs, positions, indices = _locate(order, epoch, positions, stream_epoch_len)
+        for row in range(stop - batch):
+            yield BatchRequest(epoch, offset_batches + batch + row, rank, sample_epochs[row],
+                               positions[row], indices[row])
+        batch = stop
+
+
+def _locate(order: SampleOrder, epoch: int, positions: np.ndarray,
+            stream_epoch_len: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(sample_epochs, positions, indices)`` of a block of positions: rollover stream
+    positions are split into (epoch, position in it) first."""
+    if stream_epoch_len is None:
+        indices = order.indices(epoch, positions.ravel()).reshape(positions.shape)
+        return np.full_like(positions, epoch), positions, indices
+    sample_epochs, positions = np.divmod(positions, stream_epoch_len)
+    indices = np.empty_like(positions)
+    for sample_epoch in np.unique(sample_epochs):
+        mask = sample_epochs == sample_epoch
+        indices[mask] = order.indices(int(sample_epoch), positions[mask])
+    return sample_epochs, positions, indices
+
+
+def resolve_last_batch(last_batch: str | None, drop_last: bool) -> LastBatch:
+    """``last_batch``, or what ``drop_last`` means when it is not given."""
+    if last_batch is None:
+        return "drop" if drop_last else "keep"
+    if last_batch not in LAST_BATCH_POLICIES:
+        raise ValueError(f"last_batch must be one of {LAST_BATCH_POLICIES}, got {last_batch!r}")
+    if drop_last and last_batch != "drop":
+        raise ValueError(f"drop_last=True contradicts last_batch={last_batch!r}; give one of them")
+    return last_batch  # type: ignore[return-value]
+
+
+def resolve_seed(seed: int | None, generator: torch.Generator | None = None) -> int:
+    """``seed``, else the ``generator``'s initial seed, else ``$PL_GLOBAL_SEED`` (which
+    Lightning's ``seed_everything`` sets, also in DDP's launched processes), else 0."""
+    if seed is not None:
+        return int(seed)
+    if generator is not None:
+        return int(generator.initial_seed())
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
+def trainer_moved_on(trainer_epoch: int | None, owner: int | None) -> bool:
+    """Whether the trainer's epoch (its last ``set_epoch``) is later than the one the current
+    epoch began under (``owner``): the trainer has then abandoned the current epoch."""
+    return trainer_epoch is not None and owner is not None and trainer_epoch > owner
+
+
+def following_epoch(current: int | None, trainer_epoch: int | None, owner: int | None) -> int:
+    """The epoch to start when the current one (``None``: none yet) is finished or abandoned:
+    the next one, or the trainer's epoch when the trainer has moved past it (a fresh loader
+    starts at the trainer's epoch, else at 0)."""
+    if current is None:
+        return trainer_epoch if trainer_epoch is not None else 0
+    if trainer_moved_on(trainer_epoch, owner):
+        assert trainer_epoch is not None
+        return max(current + 1, trainer_epoch)
+    return current + 1

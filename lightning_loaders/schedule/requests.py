@@ -1,0 +1,70 @@
+"""What a schedule asks an engine for, and what comes back.
+
+A map-style schedule sends ``BatchRequest``s (the dataset indices of one planned batch); a
+shard schedule sends ``SlotRequest``s (one batch of one (rank, worker) slot, from the slot's
+``Cursor``) and gets a ``Delivered`` batch or a ``SlotEnd``. All are plain tuples, so they cross
+to worker processes cheaply and save as plain lists.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = ["SKIP", "BatchRequest", "Cursor", "Delivered", "SlotEnd", "SlotRequest"]
+
+
+class BatchRequest(NamedTuple):
+    """One batch of the plan, as sent to a worker."""
+
+    epoch: int
+    batch: int
+    rank: int
+    sample_epochs: np.ndarray
+    positions: np.ndarray
+    indices: np.ndarray
+
+
+class Cursor(NamedTuple):
+    """Where a slot stands; saved as a plain list."""
+
+    batches: int  # batches of the slot delivered
+    emitted: int  # samples of the slot delivered
+    window_emitted: int  # samples delivered before the current shuffle window
+    piece: int  # the window's first sample: index into the slot's pieces ...
+    offset: int  # ... and its position in that piece's shard
+    reader_state: Any  # the shard iterator's state_dict() there, if it has one
+    exhausted: bool  # the slot has delivered its last batch
+
+
+class SlotRequest(NamedTuple):
+    """One batch of one slot, as sent to a worker (``start=None``: a skip request, answered
+    with ``SlotEnd(-1)``, which only keeps requests and workers in step)."""
+
+    generation: int
+    epoch: int
+    rank: int
+    world_size: int
+    slot: int
+    batch: int
+    size: int
+    start: Cursor | None  # the slot's cursor when this generation began
+
+
+class Delivered(NamedTuple):
+    """A slot's batch, as a worker answers it."""
+
+    slot: int
+    batch: int
+    data: Any
+    cursor: Cursor | None  # after this batch (unknown lengths only)
+
+
+class SlotEnd(NamedTuple):
+    """The slot has no batch left (``slot=-1``: the answer to a skip request)."""
+
+    slot: int
+
+
+SKIP = SlotRequest(-1, -1, -1, -1, -1, -1, 0, None)

@@ -1,0 +1,359 @@
+"""Main-process side of an iterable loader: the epochs, the cursor and its state, the requests
+sent to the slots, and (unknown lengths under DDP) the ranks' agreement on batch counts.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_loaders.placement import resolve_rank_world
+from lightning_loaders.schedule.map_schedule import following_epoch, trainer_moved_on
+from lightning_loaders.schedule.requests import SKIP, Cursor, Delivered, SlotEnd, SlotRequest
+from lightning_loaders.schedule.shard_plan import (
+    Layout,
+    PlanConfig,
+    delivered_counts,
+    locate,
+    plan_epoch,
+)
+from lightning_loaders.state import LoaderState
+
+__all__ = ["IterableSchedule", "agree_min"]
+
+_EXTRA_WORKERS, _EXTRA_ENDED, _EXTRA_SLOTS = "num_workers", "ended", "slots"
+
+
+class IterableSchedule:
+    """The epoch being delivered on this rank, its cursor, and its saved form.
+
+    Epoch ownership follows the core loader (``MapSchedule``): a restored cursor continues
+    unless it is at its epoch's end or the trainer has moved past the epoch it began under;
+    otherwise the following epoch starts.
+    """
+
+    def __init__(self, config: PlanConfig, slots: int, window: int, fingerprint: str,
+                 rank: int | None, world_size: int | None) -> None:
+        self.config, self.slots, self.window = config, slots, window
+        self._fingerprint = fingerprint
+        self._explicit_placement = (rank, world_size)
+        self._placement: tuple[int, int] | None = None
+        self.epoch: int | None = None
+        self.batches = 0
+        self.ended = False
+        self.layout: Layout | None = None
+        self.generation = 0
+        self.starts: tuple[Cursor, ...] = ()  # where the current generation began
+        self.cursors: list[Cursor] = []  # delivered (unknown lengths)
+        self.exhausted: set[int] = set()  # slots known to have no batch left (as received)
+        self.received_batches = 0  # batches received from the workers in this epoch
+        self._received_cursors: list[Cursor] = []  # (unknown lengths)
+        self._start_batches = 0
+        self._undo: deque[tuple[int, Cursor]] = deque(maxlen=8)
+        self._pending: LoaderState | None = None
+        self._trainer_epoch: int | None = None
+        self._owner: int | None = None
+
+    @property
+    def known(self) -> bool:
+        return self.config.lengths is not None
+
+    @property
+    def placement(self) -> tuple[int, int]:
+        """``(rank, world_size)``: fixed at the first epoch start, resolved afresh before it."""
+        if self._placement is not None:
+            return self._placement
+        return resolve_rank_world(*self._explicit_placement)
+
+    @property
+    def synced(self) -> bool:
+        """Whether ranks must agree on the epoch's end at run time (unknown lengths, DDP)."""
+        return not self.known and self.placement[1] > 1
+
+    def num_batches(self) -> int:
+        """Batches per epoch on this rank (equal on every rank), when known in advance."""
+        if not self.known:
+            raise TypeError("len() is unknown: the dataset does not declare its shard lengths "
+                            "(a ShardedSource's shard_lengths, or a plain dataset's __len__)")
+        if self.config.last_batch == "rollover":
+            raise TypeError("len() is undefined with last_batch='rollover': epochs differ in "
+                            "length by one batch as leftovers roll over")
+        layout = plan_epoch(self.config, 0, self.placement[1], self.slots)
+        assert layout.num_batches is not None
+        return layout.num_batches
+
+    # -- epochs -----------------------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Record the trainer's epoch; it takes effect at the next epoch start."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        self._trainer_epoch = epoch
+
+    def begin_epoch(self) -> None:
+        """Fix placement and decide which epoch and batch come next."""
+        rank, world_size = self._placement = self.placement
+        pending, self._pending = self._pending, None
+        trainer = self._trainer_epoch
+        if pending is not None:
+            try:
+                self._resume(pending, rank, world_size)
+            except BaseException:
+                self._pending = pending  # nothing started: a corrected retry can still resume
+                raise
+            if not self.ended and not trainer_moved_on(trainer, self._owner):
+                return
+        epoch = following_epoch(self.epoch, trainer, self._owner)
+        self._owner = trainer
+        layout = self._layout(epoch)
+        self._begin(epoch, 0, _first_cursors(layout, rank), layout)
+
+    def restart(self) -> None:
+        """Begin a new generation at the delivered cursor (after an error)."""
+        assert self.epoch is not None and self.layout is not None
+        self._begin(self.epoch, self.batches, self._delivered_cursors(), self.layout)
+
+    def restart_after_received(self) -> None:
+        """Begin a new generation just after the last batch received (new workers after a
+        crash: batches received but not yet delivered stay valid)."""
+        assert self.layout is not None
+        if self.known:
+            starts = self._derived_cursors(self.layout, self.placement[0], self.received_batches)
+        else:
+            starts = list(self._received_cursors)
+        self.generation += 1
+        self.starts = tuple(starts)
+
+    def requests(self, with_skips: bool) -> Iterator[SlotRequest]:
+        """The current generation's batch requests, slot by slot round-robin."""
+        assert self.epoch is not None and self.layout is not None
+        rank, world_size = self.placement
+        sizes = self.layout.sizes[rank] if self.layout.sizes is not None else None
+        return _requests(self.generation, self.epoch, rank, world_size, self.starts, sizes,
+                         self.config.batch_size, self.exhausted, with_skips)
+
+    def received(self, item: Delivered | SlotEnd) -> None:
+        """Note what a slot answered (before delivery, so that later requests and a restart
+        of the workers know it)."""
+        if isinstance(item, SlotEnd):
+            if item.slot >= 0:
+                self.exhausted.add(item.slot)
+            return
+        self.received_batches += 1
+        if item.cursor is not None:
+            self._received_cursors[item.slot] = item.cursor
+            if item.cursor.exhausted:
+                self.exhausted.add(item.slot)
+
+    def delivered(self, item: Delivered, last: bool = False) -> None:
+        """Count one batch handed to the caller (``last``: the ranks agreed it ends the epoch)."""
+        self.batches += 1
+        if self.known:
+            assert self.layout is not None and self.layout.num_batches is not None
+            self.ended = self.batches >= self.layout.num_batches
+            return
+        assert item.cursor is not None
+        self._undo.append((item.slot, self.cursors[item.slot]))
+        self.cursors[item.slot] = item.cursor
+        self.ended = last or all(cursor.exhausted for cursor in self.cursors)
+
+    def finish(self) -> None:
+        """The epoch has no batch left on this rank."""
+        self.ended = True
+
+    def _layout(self, epoch: int) -> Layout:
+        layout = plan_epoch(self.config, epoch, self.placement[1], self.slots)
+        if self.synced and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"a dataset of unknown length on {self.placement[1]} ranks needs an initialised "
+                "torch.distributed process group: the ranks agree at run time on when the epoch "
+                "ends. Initialise it (Lightning's DDP does), or declare the shard lengths")
+        return layout
+
+    def _begin(self, epoch: int, batches: int, cursors: list[Cursor], layout: Layout) -> None:
+        self.epoch, self.batches, self.layout = epoch, batches, layout
+        self.cursors, self.starts = list(cursors), tuple(cursors)
+        self.exhausted = {w for w, cursor in enumerate(cursors) if cursor.exhausted}
+        self.generation += 1
+        self.received_batches = self._start_batches = batches
+        self._received_cursors = list(cursors)
+        self._undo.clear()
+        self.ended = (layout.num_batches is not None and batches >= layout.num_batches) or (
+            layout.num_batches is None and all(cursor.exhausted for cursor in cursors))
+
+    def _resume(self, state: LoaderState, rank: int, world_size: int) -> None:
+        extra = state.extra
+        workers, ended = extra.get(_EXTRA_WORKERS), bool(extra.get(_EXTRA_ENDED, False))
+        self._owner = state.trainer_epoch
+        if ended:
+            self.epoch, self.batches, self.ended = state.epoch, state.batches, True
+            return
+        if state.batches and (state.world_size, workers) != (world_size, self.slots):
+            raise ValueError(
+                f"cannot resume mid-epoch (epoch {state.epoch}, after batch {state.batches}) "
+                f"with another world size or number of worker slots: saved world_size="
+                f"{state.world_size}, slots per rank={workers}; now world_size={world_size}, "
+                f"slots per rank={self.slots} (num_workers, or 1 for num_workers=0). Each "
+                "(rank, worker) reads its own part of the shards, so the rest of the epoch would "
+                "repeat or skip data. Resume with the saved configuration, or from a checkpoint "
+                "taken at an epoch end")
+        layout = self._layout(state.epoch)
+        if not state.batches:
+            cursors = _first_cursors(layout, rank)
+        elif self.known:
+            cursors = self._derived_cursors(layout, rank, state.batches)
+        else:
+            cursors = _saved_cursors(extra, rank, self.slots)
+        self._begin(state.epoch, state.batches, cursors, layout)
+
+    def _derived_cursors(self, layout: Layout, rank: int, batches: int) -> list[Cursor]:
+        """Known lengths: every slot's position after ``batches`` delivered batches."""
+        assert layout.sizes is not None and layout.num_batches is not None
+        if batches > layout.num_batches:
+            raise ValueError(f"corrupted loader state: batches={batches} but epochs have "
+                             f"{layout.num_batches} batches")
+        sizes = layout.sizes[rank]
+        counts = delivered_counts([len(s) for s in sizes], batches)
+        cursors = []
+        for w, (count, pieces) in enumerate(zip(counts, layout.pieces[rank], strict=True)):
+            emitted = sum(sizes[w][:count])
+            window_emitted = emitted - emitted % self.window
+            piece, offset = locate(pieces, window_emitted)
+            cursors.append(Cursor(count, emitted, window_emitted, piece, offset, None,
+                                  count >= len(sizes[w])))
+        return cursors
+
+    def _delivered_cursors(self) -> list[Cursor]:
+        if self.known:
+            assert self.layout is not None
+            return self._derived_cursors(self.layout, self.placement[0], self.batches)
+        return list(self.cursors)
+
+    # -- state ------------------------------------------------------------------------------
+
+    def fingerprint(self) -> dict[str, Any]:
+        config = self.config
+        return {"source": self._fingerprint, "strided": config.strided, "seed": config.seed,
+                "batch_size": config.batch_size, "last_batch": config.last_batch,
+                "shuffle": config.shuffle, "shuffle_buffer": self.window}
+
+    def state_dict(self, held: int = 0) -> dict[str, Any]:
+        """The cursor; ``held``: batches delivered but not yet used by the consumer.
+
+        With unknown lengths it holds every rank's slot positions, gathered from all ranks
+        (a collective: every rank must call it, as Lightning does when it checkpoints).
+        """
+        if self._pending is not None:
+            return self._pending.to_dict()
+        rank, world_size = self.placement
+        extra: dict[str, Any] = {_EXTRA_WORKERS: self.slots, _EXTRA_ENDED: False}
+        if self.epoch is None:
+            return LoaderState(self._trainer_epoch or 0, 0, world_size,
+                               trainer_epoch=self._trainer_epoch,
+                               fingerprint=self.fingerprint(), extra=extra).to_dict()
+        held = min(held, self.batches - self._start_batches if self.known else len(self._undo))
+        extra[_EXTRA_ENDED] = self.ended and held == 0
+        if not self.known:
+            cursors = list(self.cursors)
+            for slot, previous in list(self._undo)[len(self._undo) - held:][::-1]:
+                cursors[slot] = previous
+            extra[_EXTRA_SLOTS] = _gather([list(c) for c in cursors], rank, world_size)
+        return LoaderState(self.epoch, self.batches - held, world_size,
+                           trainer_epoch=self._owner, fingerprint=self.fingerprint(),
+                           extra=extra).to_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a cursor; the next ``begin_epoch`` continues exactly after its last batch."""
+        state = LoaderState.from_dict(state_dict, self.fingerprint())
+        workers = state.extra.get(_EXTRA_WORKERS)
+        if not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"corrupted loader state: extra[{_EXTRA_WORKERS!r}]={workers!r} is "
+                             "not an int >= 1 (was it saved by a map-style loader?)")
+        if not self.known and state.batches and _EXTRA_SLOTS not in state.extra:
+            raise ValueError("corrupted loader state: a mid-epoch state of a dataset of unknown "
+                             f"length needs extra[{_EXTRA_SLOTS!r}] (the slots' positions)")
+        self._pending = state
+
+
+def _first_cursors(layout: Layout, rank: int) -> list[Cursor]:
+    """Every slot of ``rank`` at the start of its stream (exhausted when it has no batch)."""
+    return [Cursor(0, 0, 0, 0, pieces[0].start if pieces else 0, None,
+                   not pieces or (layout.sizes is not None and not layout.sizes[rank][slot]))
+            for slot, pieces in enumerate(layout.pieces[rank])]
+
+
+def _requests(generation: int, epoch: int, rank: int, world_size: int,
+              starts: tuple[Cursor, ...], sizes: tuple[tuple[int, ...], ...] | None,
+              batch_size: int, exhausted: set[int], with_skips: bool) -> Iterator[SlotRequest]:
+    """Requests round-robin over slots: slot ``w``'s ``k``-th batch comes in round ``k``.
+
+    With workers, every round asks every slot (finished ones with a skip request), so request
+    ``i`` of a generation goes to worker ``i % num_workers``, which keeps that slot's reader
+    (torch deals requests to its workers in turn). ``exhausted`` is read live: slots that end
+    stop being asked once the main process has heard so.
+    """
+    slots = len(starts)
+    next_batch = [cursor.batches for cursor in starts]
+
+    def done(w: int) -> bool:
+        return next_batch[w] >= len(sizes[w]) if sizes is not None else w in exhausted
+
+    while True:
+        live = [w for w in range(slots) if not done(w)]
+        if not live:
+            return
+        round_ = min(next_batch[w] for w in live)
+        for w in range(slots):
+            if next_batch[w] == round_ and not done(w):
+                size = sizes[w][round_] if sizes is not None else batch_size
+                yield SlotRequest(generation, epoch, rank, world_size, w, round_, size,
+                                  starts[w])
+                next_batch[w] += 1
+            elif with_skips:
+                yield SKIP
+
+
+def _saved_cursors(extra: Any, rank: int, slots: int) -> list[Cursor]:
+    rows = extra.get(_EXTRA_SLOTS)
+    if not isinstance(rows, list) or rank >= len(rows):
+        raise ValueError(f"corrupted loader state: extra[{_EXTRA_SLOTS!r}] has no entry for "
+                         f"rank {rank}")
+    row = rows[rank]
+    if row is None:
+        raise ValueError(
+            f"the loader state has no positions for rank {rank}: it was saved without an "
+            "initialised process group, so it holds only the saving rank's. Save it with "
+            "torch.distributed initialised (every rank calling state_dict()), or restore each "
+            "rank from its own state")
+    if not isinstance(row, list) or len(row) != slots:
+        raise ValueError(f"corrupted loader state: rank {rank} has {len(row)} slot positions, "
+                         f"this loader {slots}")
+    try:
+        return [Cursor(*entry) for entry in row]
+    except TypeError as exc:
+        raise ValueError(f"corrupted loader state: bad slot position in {row!r}") from exc
+
+
+def _gather(rows: list[list[Any]], rank: int, world_size: int) -> list[Any]:
+    """Every rank's slot positions (only this rank's without a process group)."""
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, rows)
+        return gathered
+    out: list[Any] = [None] * world_size
+    out[rank] = rows
+    return out
+
+
+def agree_min(value: int) -> int:
+    """The minimum of ``value`` over all ranks (one small ``all_reduce``)."""
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())

@@ -1,0 +1,408 @@
+"""Sharded sources: iterable datasets that say what their shards are and how to open one.
+
+A ``ShardedSource`` is a ``torch.utils.data.IterableDataset`` that declares
+
+- ``shards``: one descriptor per shard (a file path, a range, a sequence, ...);
+- ``shard_lengths``: samples per shard, or ``None`` when unknown (known lengths give an exact
+  ``len()``, exactly balanced ranks and an O(1) resume state);
+- ``open_shard(index, start=0, state=None)``: an iterator over shard ``index`` from its sample
+  ``start`` on.
+
+The loader (``ResumableLoader`` over such a source) decides which (rank, worker) reads which
+shard, or which part of one, in every epoch. A shard iterator that can describe its position
+more cheaply than a sample count (a byte offset in a file) may expose ``state_dict()``: the
+loader saves it with the position and hands it back as ``state`` together with the same
+``start``, so ``open_shard`` can seek instead of skipping ``start`` samples.
+
+Ready sources: ``RecordFiles`` (length-prefixed binary records, see ``write_records``),
+``LineFiles`` (text lines), ``SequenceSource`` (in-memory sequences) and ``GeneratorSource`` (a
+generator function per shard). Everything here is picklable, so worker processes can open
+shards themselves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import struct
+from abc import abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import IO, Any, Literal, TypeVar
+
+from torch.utils.data import IterableDataset
+
+__all__ = [
+    "GeneratorSource",
+    "LineFiles",
+    "RecordFiles",
+    "SequenceSource",
+    "ShardedSource",
+    "count_records",
+    "write_records",
+]
+
+T = TypeVar("T")
+Lengths = Sequence[int] | Literal["scan"] | None
+
+_HEADER = struct.Struct("<I")  # a record's payload length, little-endian uint32
+
+
+class ShardedSource(IterableDataset[T]):
+    """An iterable dataset made of shards (subclass it, or use a ready source)."""
+
+    @property
+    @abstractmethod
+    def shards(self) -> Sequence[Any]:
+        """One descriptor per shard, in a fixed order (the plan shuffles indices into it)."""
+
+    @property
+    def shard_lengths(self) -> Sequence[int] | None:
+        """Samples in each shard, or ``None`` when unknown."""
+        return None
+
+    @abstractmethod
+    def open_shard(self, index: int, start: int = 0,
+                   state: Mapping[str, Any] | None = None) -> Iterator[T]:
+        """Samples of shard ``index`` from its sample ``start`` on.
+
+        ``state``, when given, is what this source's shard iterator returned from
+        ``state_dict()`` when it stood at sample ``start``.
+        """
+
+    @property
+    def fingerprint(self) -> str:
+        """Changes whenever the shards would read differently; checked on resume."""
+        lengths = self.shard_lengths
+        return (f"{type(self).__name__}:{len(self.shards)} shards:"
+                f"{_digest(lengths) if lengths is not None else 'unknown lengths'}")
+
+    def __iter__(self) -> Iterator[T]:
+        """Every shard in order, unsharded (what a plain ``DataLoader`` would read)."""
+        for index in range(len(self.shards)):
+            yield from self.open_shard(index)
+
+    def __len__(self) -> int:
+        lengths = self.shard_lengths
+        if lengths is None:
+            raise TypeError(f"{type(self).__name__} does not know its shard lengths")
+        return sum(lengths)
+
+
+class SequenceSource(ShardedSource[T]):
+    """In-memory sequences (lists, arrays, tensors, map-style datasets), one per shard."""
+
+    def __init__(self, sequences: Sequence[Sequence[T]]) -> None:
+        if len(sequences) == 0:
+            raise ValueError("SequenceSource needs at least one sequence")
+        self.sequences = list(sequences)
+
+    @property
+    def shards(self) -> Sequence[Sequence[T]]:
+        return self.sequences
+
+    @property
+    def shard_lengths(self) -> list[int]:
+        return [len(sequence) for sequence in self.sequences]
+
+    def open_shard(self, index: int, start: int = 0,
+                   state: Mapping[str, Any] | None = None) -> Iterator[T]:
+        sequence = self.sequences[index]
+        return map(sequence.__getitem__, range(start, len(sequence)))
+
+
+class GeneratorSource(ShardedSource[T]):
+    """A generator function per shard: ``fn(shard)`` yields the samples of ``shard``.
+
+    Args:
+        fn: called in the process that reads the shard (a worker), so it must be picklable (a
+            module-level function). With ``seekable=True`` it is called as ``fn(shard, start)``
+            and must begin at sample ``start``; otherwise the first ``start`` samples are read
+            and skipped on resume.
+        shards: the shard descriptors passed to ``fn`` (paths, ranges, seeds, ...).
+        lengths: samples per shard, if known.
+        seekable: whether ``fn`` accepts a start position.
+    """
+
+    def __init__(self, fn: Callable[..., Iterable[T]], shards: Sequence[Any],
+                 lengths: Sequence[int] | None = None, seekable: bool = False) -> None:
+        self.fn = fn
+        self._shards = list(shards)
+        self._lengths = _checked_lengths(lengths, len(self._shards))
+        self.seekable = seekable
+        if not self._shards:
+            raise ValueError("GeneratorSource needs at least one shard")
+
+    @property
+    def shards(self) -> Sequence[Any]:
+        return self._shards
+
+    @property
+    def shard_lengths(self) -> list[int] | None:
+        return self._lengths
+
+    def open_shard(self, index: int, start: int = 0,
+                   state: Mapping[str, Any] | None = None) -> Iterator[T]:
+        shard = self._shards[index]
+        if self.seekable:
+            return iter(self.fn(shard, start))
+        return itertools.islice(iter(self.fn(shard)), start, None)
+
+    @property
+    def fingerprint(self) -> str:
+        return f"{getattr(self.fn, '__qualname__', type(self.fn).__name__)}:{super().fingerprint}"
+
+
+class _FileShards(ShardedSource[T]):
+    """Files as shards; subclasses say how one file is cut into samples."""
+
+    def __init__(self, paths: Sequence[str | os.PathLike[str]], lengths: Lengths = None,
+                 decode: Callable[[Any], T] | None = None) -> None:
+        self.paths = [os.fspath(path) for path in paths]
+        if not self.paths:
+            raise ValueError(f"{type(self).__name__} needs at least one file")
+        missing = [path for path in self.paths if not os.path.isfile(path)]
+        if missing:
+            raise FileNotFoundError(f"{type(self).__name__}: no such file(s): {missing[:5]}")
+        self.decode = decode
+        if lengths == "scan":
+            self._lengths: list[int] | None = [self._count(path) for path in self.paths]
+        else:
+            self._lengths = _checked_lengths(lengths, len(self.paths))
+
+    @property
+    def shards(self) -> list[str]:
+        return self.paths
+
+    @property
+    def shard_lengths(self) -> list[int] | None:
+        return self._lengths
+
+    @property
+    def fingerprint(self) -> str:
+        names = [os.path.basename(path) for path in self.paths]
+        return f"{super().fingerprint}:files {_digest(names)}"
+
+    @abstractmethod
+    def _count(self, path: str) -> int:
+        """Samples in the file at ``path`` (for ``lengths="scan"``)."""
+
+
+class RecordFiles(_FileShards[T]):
+    """Files of length-prefixed binary records (written by ``write_records``), one per shard.
+
+    Each record is a 4-byte little-endian payload length and the payload; a sample is
+    ``decode(payload)`` (the raw ``bytes`` without ``decode``). Skipping to a position hops over
+    record headers without reading payloads, and a resume seeks straight to the saved byte
+    offset. ``lengths="scan"`` counts the records of every file at construction (a header hop
+    per record).
+    """
+
+    def open_shard(self, index: int, start: int = 0,
+                   state: Mapping[str, Any] | None = None) -> Iterator[T]:
+        return _RecordReader(self.paths[index], start, state, self.decode)
+
+    def _count(self, path: str) -> int:
+        return count_records(path)
+
+
+class LineFiles(_FileShards[T]):
+    """Text files read line by line, one file per shard.
+
+    A sample is ``decode(line)`` (the line as ``str`` without its line ending when ``decode``
+    is not given). A resume seeks to the saved byte offset; opening at another position reads
+    and skips the lines before it. ``lengths="scan"`` counts the lines of every file.
+    """
+
+    def __init__(self, paths: Sequence[str | os.PathLike[str]], lengths: Lengths = None,
+                 decode: Callable[[str], T] | None = None, encoding: str = "utf-8") -> None:
+        self.encoding = encoding
+        super().__init__(paths, lengths, decode)
+
+    def open_shard(self, index: int, start: int = 0,
+                   state: Mapping[str, Any] | None = None) -> Iterator[T]:
+        return _LineReader(self.paths[index], start, state, self.decode, self.encoding)
+
+    def _count(self, path: str) -> int:
+        with open(path, "rb") as file:
+            return sum(1 for _ in file)
+
+
+class _FileReader(Iterator[T]):
+    """An open shard file positioned at a sample; ``state_dict()`` is the byte offset."""
+
+    def __init__(self, path: str, start: int, state: Mapping[str, Any] | None) -> None:
+        self.path = path
+        self.position = 0
+        self._file: IO[bytes] | None = open(path, "rb")  # noqa: SIM115 (closed by close())
+        if state is not None and state.get("position") == start:
+            self._file.seek(int(state["offset"]))
+            self.position = start
+        while self.position < start and self._skip():
+            self.position += 1
+
+    def state_dict(self) -> dict[str, int]:
+        assert self._file is not None
+        return {"position": self.position, "offset": self._file.tell()}
+
+    def __next__(self) -> T:
+        if self._file is None:
+            raise StopIteration
+        sample = self._read()
+        if sample is None:
+            self.close()
+            raise StopIteration
+        self.position += 1
+        return sample
+
+    def close(self) -> None:
+        file, self._file = self._file, None
+        if file is not None:
+            file.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    @abstractmethod
+    def _skip(self) -> bool:
+        """Pass over one sample; ``False`` at the end of the file."""
+
+    @abstractmethod
+    def _read(self) -> T | None:
+        """The next sample, ``None`` at the end of the file."""
+
+
+class _RecordReader(_FileReader[T]):
+    def __init__(self, path: str, start: int, state: Mapping[str, Any] | None,
+                 decode: Callable[[bytes], T] | None) -> None:
+        self.decode = decode
+        super().__init__(path, start, state)
+
+    def _header(self) -> int | None:
+        assert self._file is not None
+        header = self._file.read(_HEADER.size)
+        if not header:
+            return None
+        if len(header) < _HEADER.size:
+            raise ValueError(f"{self.path}: truncated record header after record "
+                             f"{self.position} (is this a file written by write_records?)")
+        return int(_HEADER.unpack(header)[0])
+
+    def _skip(self) -> bool:
+        assert self._file is not None
+        size = self._header()
+        if size is None:
+            return False
+        self._file.seek(size, os.SEEK_CUR)
+        return True
+
+    def _read(self) -> T | None:
+        assert self._file is not None
+        size = self._header()
+        if size is None:
+            return None
+        payload = self._file.read(size)
+        if len(payload) < size:
+            raise ValueError(f"{self.path}: record {self.position} claims {size} bytes but only "
+                             f"{len(payload)} remain (is this a file written by write_records?)")
+        return self.decode(payload) if self.decode is not None else payload  # type: ignore[return-value]
+
+
+class _LineReader(_FileReader[T]):
+    def __init__(self, path: str, start: int, state: Mapping[str, Any] | None,
+                 decode: Callable[[str], T] | None, encoding: str) -> None:
+        self.decode, self.encoding = decode, encoding
+        super().__init__(path, start, state)
+
+    def _skip(self) -> bool:
+        assert self._file is not None
+        return bool(self._file.readline())
+
+    def _read(self) -> T | None:
+        assert self._file is not None
+        line = self._file.readline()
+        if not line:
+            return None
+        text = line.decode(self.encoding).rstrip("\r\n")
+        return self.decode(text) if self.decode is not None else text  # type: ignore[return-value]
+
+
+def write_records(path: str | os.PathLike[str], records: Iterable[bytes]) -> int:
+    """Write ``records`` as a ``RecordFiles`` shard; returns how many were written."""
+    count = 0
+    with open(path, "wb") as file:
+        for record in records:
+            payload = bytes(record)
+            if len(payload) >= 1 << 32:
+                raise ValueError(f"record {count} of {path} has {len(payload)} bytes; the limit "
+                                 "is 4 GiB - 1")
+            file.write(_HEADER.pack(len(payload)))
+            file.write(payload)
+            count += 1
+    return count
+
+
+def count_records(path: str | os.PathLike[str]) -> int:
+    """Records in a ``RecordFiles`` shard (hops over headers, never reads payloads)."""
+    reader: _RecordReader[bytes] = _RecordReader(os.fspath(path), 0, None, None)
+    count = 0
+    while reader._skip():
+        count += 1
+    reader.close()
+    return count
+
+
+class PlainStream(ShardedSource[Any]):
+    """A plain ``IterableDataset`` seen as one shard: the strided fallback's source.
+
+    Every reader iterates the whole dataset and keeps its share; ``start`` is reached by
+    skipping. ``set_epoch`` is forwarded, so a dataset that reshuffles per epoch stays the same
+    stream in every process of that epoch.
+    """
+
+    def __init__(self, dataset: IterableDataset[Any]) -> None:
+        self.dataset = dataset
+
+    @property
+    def shards(self) -> list[IterableDataset[Any]]:
+        return [self.dataset]
+
+    @property
+    def shard_lengths(self) -> list[int] | None:
+        try:
+            return [len(self.dataset)]  # type: ignore[arg-type]
+        except TypeError:
+            return None
+
+    def open_shard(self, index: int, start: int = 0,
+                   state: Mapping[str, Any] | None = None) -> Iterator[Any]:
+        return itertools.islice(iter(self.dataset), start, None)
+
+    def set_epoch(self, epoch: int) -> None:
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+    @property
+    def fingerprint(self) -> str:
+        lengths = self.shard_lengths
+        size = lengths[0] if lengths is not None else "unknown length"
+        return f"{type(self.dataset).__name__}:{size}"
+
+
+def _checked_lengths(lengths: Any, count: int) -> list[int] | None:
+    if lengths is None:
+        return None
+    if isinstance(lengths, str):
+        raise ValueError(f"lengths must be a sequence of ints, 'scan' or None, got {lengths!r}")
+    values = list(lengths)
+    if len(values) != count:
+        raise ValueError(f"lengths has {len(values)} entries for {count} shards")
+    bad = [v for v in values if not isinstance(v, int) or isinstance(v, bool) or v < 0]
+    if bad:
+        raise ValueError(f"shard lengths must be ints >= 0, got {bad[:5]}")
+    return values
+
+
+def _digest(values: Iterable[Any]) -> str:
+    return hashlib.blake2b(repr(list(values)).encode(), digest_size=8).hexdigest()

@@ -1,0 +1,269 @@
+"""Worker processes: a crashed worker is replaced without losing or repeating a batch, a stalled
+one is named, and no worker or shared-memory segment outlives its loader, however the training
+ends (normal end, ``del``, an exception, Ctrl-C, SIGTERM)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from lightning_loaders import ResumableLoader, sample_context, worker_info
+from lightning_loaders.errors import WorkerCrashedError, WorkerTimeoutError
+from tests.conftest import IndexDataset, loader_processes
+from tests.lightning_harness import RecordingModule, make_trainer
+from tests.resume_harness import run_epochs
+from tests.scripts.chaos_train import TrainingZygote, read_log
+
+LOGGER = "lightning_loaders.loaders.base"
+
+
+def indices(batch) -> list[int]:
+    return batch["index"].tolist()
+
+
+def _shm_of(pids: set[int]) -> list[str]:
+    """Shared-memory segments torch created for any of ``pids`` that still exist."""
+    return [name for name in os.listdir("/dev/shm")
+            if name.startswith("torch_") and int(name.split("_")[1]) in pids]
+
+
+def _assert_all_gone(processes: list[psutil.Process], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    alive = processes
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.1)
+    assert not alive, f"worker processes outlived the loader: {alive}"
+    assert not _shm_of({p.pid for p in processes} | {os.getpid()})
+
+
+def _reference(n: int, epochs: int, **kwargs) -> list[list[list[int]]]:
+    loader = ResumableLoader(IndexDataset(n), batch_size=4, shuffle=True, seed=6, **kwargs)
+    return run_epochs(loader, range(epochs), key=indices)
+
+
+# -- crash recovery ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("when", "persistent"), [
+    ("mid-epoch", True), ("mid-epoch", False), ("both workers", True), ("between epochs", True),
+])
+def test_a_killed_worker_is_replaced_and_no_batch_is_lost_or_repeated(persistent, when, caplog):
+    expected = _reference(40, 2)
+    loader = ResumableLoader(IndexDataset(40), batch_size=4, shuffle=True, seed=6,
+                             num_workers=2, persistent_workers=persistent)
+    got: list[list[list[int]]] = []
+    killed: list[int] = []
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        for epoch in range(2):
+            loader.sampler.set_epoch(epoch)
+            got.append([])
+            iterator = iter(loader)
+            if when == "between epochs" and epoch == 1:
+                # the persistent workers idle between epochs
+                killed.append(loader_processes()[0].pid)
+                os.kill(killed[-1], signal.SIGKILL)
+            for batch in iterator:
+                got[-1].append(indices(batch))
+                if epoch == 0 and len(got[-1]) == 3 and when != "between epochs":
+                    workers = loader_processes()
+                    for process in workers if when == "both workers" else workers[:1]:
+                        killed.append(process.pid)
+                        process.send_signal(signal.SIGKILL)
+    assert got == expected
+    restarts = [r.getMessage() for r in caplog.records if "restarting 2 workers" in r.getMessage()]
+    assert loader.worker_restarts == len(restarts) == 1
+    assert "was killed by SIGKILL" in restarts[0]
+    assert any(f"(pid {pid})" in restarts[0] for pid in killed)
+    assert "DataLoader worker 0 " in restarts[0] or "DataLoader worker 1 " in restarts[0]
+    loader.close()
+    assert loader_processes() == []
+
+
+class ExitsOncePerEpoch(IndexDataset):
+    """The worker fetching sample 5 exits (code 3) the first time it does so in each epoch."""
+
+    def __init__(self, n: int, marks: Path) -> None:
+        super().__init__(n)
+        self.marks = marks
+
+    def __getitem__(self, index: int):
+        mark = self.marks / f"epoch{sample_context().epoch}"
+        if index == 5 and not mark.exists():
+            mark.touch()
+            os._exit(3)
+        return super().__getitem__(index)
+
+
+def test_restarts_are_bounded_per_epoch_and_the_stream_stays_exact(tmp_path, caplog) -> None:
+    loader = ResumableLoader(ExitsOncePerEpoch(30, tmp_path), batch_size=4, shuffle=True,
+                             seed=6, num_workers=2, max_worker_restarts=1)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        got = run_epochs(loader, range(3), key=indices)
+    assert got == _reference(30, 3)
+    warnings = [r.getMessage() for r in caplog.records if "restarting" in r.getMessage()]
+    assert len(warnings) == loader.worker_restarts == 3
+    assert all("exited with code 3" in w and "restart 1 of at most 1" in w for w in warnings)
+    loader.close()
+
+
+class AlwaysExits(IndexDataset):
+    def __getitem__(self, index: int):
+        if index == 5:
+            os._exit(3)
+        return super().__getitem__(index)
+
+
+def test_a_crash_that_repeats_gives_up_after_max_worker_restarts() -> None:
+    loader = ResumableLoader(AlwaysExits(12), batch_size=4, num_workers=2,
+                             max_worker_restarts=2)
+    iterator = iter(loader)
+    assert indices(next(iterator)) == [0, 1, 2, 3]
+    with pytest.raises(WorkerCrashedError) as info:
+        next(iterator)
+    error = info.value
+    assert (error.exitcode, error.signal, error.restarts, error.batch, error.epoch) == (
+        3, None, 2, 1, 0)
+    assert error.worker in (0, 1) and error.pid not in (None, os.getpid())
+    assert "exited with code 3" in str(error) and "gave up after 2 restarts" in str(error)
+    assert loader.state_dict()["batches"] == 1
+    assert loader_processes() == []
+
+
+def test_with_recovery_off_a_killed_worker_raises_at_once_naming_worker_pid_and_signal() -> None:
+    loader = ResumableLoader(IndexDataset(40), batch_size=4, num_workers=2,
+                             max_worker_restarts=0)
+    iterator = iter(loader)
+    next(iterator)
+    victim = loader_processes()[0]
+    victim.send_signal(signal.SIGKILL)
+    with pytest.raises(WorkerCrashedError) as info:
+        for _ in range(10):
+            next(iterator)
+    error = info.value
+    assert (error.pid, error.signal, error.exitcode, error.restarts) == (
+        victim.pid, "SIGKILL", -signal.SIGKILL, 0)
+    message = str(error)
+    assert f"DataLoader worker {error.worker} (pid {victim.pid}) was killed by SIGKILL" in message
+    assert "max_worker_restarts=0" in message
+    assert loader_processes() == []
+
+
+# -- timeout -------------------------------------------------------------------------------
+
+
+class StallsInWorkerOne(IndexDataset):
+    def __getitem__(self, index: int):
+        info = worker_info()
+        if info is not None and info.id == 1:
+            time.sleep(1.5)
+        return super().__getitem__(index)
+
+
+def test_a_timeout_names_the_worker_that_stalled() -> None:
+    loader = ResumableLoader(StallsInWorkerOne(20), batch_size=2, num_workers=2, timeout=0.5)
+    iterator = iter(loader)
+    assert indices(next(iterator)) == [0, 1]  # from worker 0
+    pids = {p.pid for p in loader_processes()}
+    with pytest.raises(WorkerTimeoutError) as info:
+        next(iterator)  # batch 1 is worker 1's
+    error = info.value
+    assert (error.worker, error.batch, error.epoch, error.timeout) == (1, 1, 0, 0.5)
+    assert error.pid in pids
+    assert f"DataLoader worker 1 (pid {error.pid}) stalled: batch 1 of epoch 0" in str(error)
+    assert loader_processes() == []
+
+
+# -- shutdown ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def file_system_sharing() -> Iterator[None]:
+    """Tensors from workers in named /dev/shm files, so that a leak would be visible."""
+    before = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    yield
+    torch.multiprocessing.set_sharing_strategy(before)
+
+
+def test_workers_stop_at_epoch_end_unless_persistent_and_on_close(file_system_sharing) -> None:
+    transient = ResumableLoader(IndexDataset(16), batch_size=4, num_workers=2,
+                                persistent_workers=False)
+    assert len(list(transient)) == 4 and loader_processes() == []
+
+    loader = ResumableLoader(IndexDataset(16), batch_size=4, num_workers=2)
+    batches = list(loader)
+    workers = loader_processes()
+    assert len(workers) == 2, "persistent workers wait for the next epoch"
+    del batches
+    loader.close()
+    _assert_all_gone(workers)
+
+    with ResumableLoader(IndexDataset(16), batch_size=4, num_workers=2) as loader:
+        next(iter(loader))
+        workers = loader_processes()
+    _assert_all_gone(workers)
+
+
+def test_del_stops_the_workers_mid_epoch(file_system_sharing) -> None:
+    loader = ResumableLoader(IndexDataset(16), batch_size=4, num_workers=2)
+    iterator = iter(loader)
+    batch = next(iterator)
+    workers = loader_processes()
+    assert len(workers) == 2
+    del loader, iterator, batch
+    _assert_all_gone(workers, timeout=5)
+
+
+class FailsAtStep(RecordingModule):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            raise ValueError("the model failed")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_trainer_stops_the_workers_at_the_end_of_fit_and_on_an_exception(tmp_path) -> None:
+    loader = ResumableLoader(IndexDataset(20), batch_size=4, num_workers=2)
+    make_trainer(tmp_path, 2).fit(RecordingModule(), loader)
+    assert loader_processes() == [], "fit's teardown must stop the workers (the loader lives on)"
+    with pytest.raises(ValueError, match="the model failed"):
+        make_trainer(tmp_path, 2).fit(FailsAtStep(), loader)
+    assert loader_processes() == []
+    assert not _shm_of({os.getpid()})
+
+
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[TrainingZygote]:
+    forks = TrainingZygote()
+    yield forks
+    forks.close()
+
+
+@pytest.mark.parametrize(("how", "trainer", "status"), [
+    ("ctrl-c", True, 1),  # Lightning exits with 1 after a KeyboardInterrupt
+    ("sigterm", True, 1),  # Lightning raises SIGTERMException after the step
+    ("sigterm", False, -signal.SIGTERM),  # a plain loop dies at once: its workers notice
+])
+def test_no_worker_outlives_a_training_process_stopped_by_a_signal(zygote, tmp_path, how,
+                                                                  trainer, status) -> None:
+    log = tmp_path / "steps.jsonl"
+    pid = zygote.start(kind="map", out=str(tmp_path), log=str(log), epochs=100,
+                       trainer=trainer, step_sleep=0.02)
+    while len(read_log(log)) < 5:
+        time.sleep(0.01)
+    tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    assert len(tree) == 3, "the training process and its 2 workers"
+    if how == "ctrl-c":
+        os.killpg(pid, signal.SIGINT)  # what a terminal sends the foreground process group
+    else:
+        os.kill(pid, signal.SIGTERM)
+    assert zygote.wait(pid) == status, (tmp_path / f"output-{pid}.txt").read_text()
+    _assert_all_gone(tree)

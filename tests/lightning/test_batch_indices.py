@@ -1,0 +1,59 @@
+import pytest
+from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+
+from lightning_loaders import ResumableLoader
+from lightning_loaders.lightning.batch_indices import batch_indices, expose_batch_indices
+from tests.conftest import IndexDataset
+from tests.resume_harness import run_epochs
+
+
+def indices(batch) -> list[int]:
+    return batch["index"].tolist()
+
+
+def _loader(n: int, batch_size: int, rank: int, world: int, **kwargs) -> ResumableLoader:
+    return ResumableLoader(IndexDataset(n), batch_size=batch_size, rank=rank, world_size=world,
+                           evaluation=True, **kwargs)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_batch_indices_are_what_each_rank_reads(shuffle: bool) -> None:
+    for rank in range(3):
+        loader = _loader(20, 3, rank, 3, shuffle=shuffle, seed=2)
+        delivered = run_epochs(loader, range(2), key=indices)
+        for epoch in range(2):
+            planned = [b.tolist() for b in batch_indices(loader, epoch=epoch)]
+            assert planned == delivered[epoch]
+        other = [b.tolist() for b in batch_indices(loader, epoch=1, rank=(rank + 1) % 3)]
+        assert other == run_epochs(_loader(20, 3, (rank + 1) % 3, 3, shuffle=shuffle, seed=2),
+                                   range(2), key=indices)[1]
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 3])
+def test_evaluation_reads_every_sample_once_with_equal_batch_counts(batch_size: int) -> None:
+    for world in (2, 3, 4):
+        for n in range(world, 3 * world * batch_size + 2):
+            ranks = [batch_indices(_loader(n, batch_size, r, world)) for r in range(world)]
+            assert len({len(r) for r in ranks}) == 1, (n, world)
+            sizes = [len(b) for r in ranks for b in r]
+            assert min(sizes) >= 1 and max(sizes) <= max(batch_size, 2), (n, world)
+            seen = sorted(int(i) for r in ranks for b in r for i in b)
+            assert seen == list(range(n)), (n, world)
+
+
+def test_fewer_samples_than_ranks_is_refused_with_the_numbers() -> None:
+    with pytest.raises(ValueError, match="from 2 samples with batch_size=1; evaluate on at most 2"):
+        len(_loader(2, 1, 0, 3))
+
+
+def test_lightning_prediction_writers_see_each_delivered_batch() -> None:
+    loader = expose_batch_indices(_loader(11, 2, 1, 2, shuffle=True, seed=5))
+    sampler = loader.batch_sampler
+    assert isinstance(sampler, _IndexBatchSamplerWrapper)
+    assert not sampler.seen_batch_indices
+    iterator = iter(loader)
+    delivered = [indices(next(iterator)) for _ in range(2)]
+    assert list(sampler.seen_batch_indices) == delivered
+    assert sampler.seen_batch_indices[-1] == delivered[-1]
+    with pytest.raises(IndexError, match="not delivered yet"):
+        sampler.seen_batch_indices[2]

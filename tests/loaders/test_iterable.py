@@ -1,0 +1,496 @@
+import gc
+import json
+import os
+import pickle
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from lightning_loaders import ResumableLoader
+from lightning_loaders.errors import WorkerCrashedError
+from lightning_loaders.loaders.iterable import ResumableIterableLoader
+from lightning_loaders.sources.shards import LineFiles, RecordFiles, SequenceSource, write_records
+from tests.conftest import IndexDataset, loader_processes
+from tests.ddp_harness import REPO, run_ddp
+from tests.lightning_harness import check_trainer_resume
+from tests.resume_harness import check_resume_at_every_step, run_epochs, set_epoch
+
+LENGTHS = [7, 23, 4, 0, 15, 11]  # uneven, one empty shard
+TOTAL = sum(LENGTHS)
+SCRIPT = REPO / "tests" / "scripts" / "iterable_fit.py"
+
+
+def _ids(lengths: list[int]) -> list[list[int]]:
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    return [list(range(s, s + n)) for s, n in zip(starts, lengths, strict=True)]
+
+
+def decode(payload: bytes) -> dict[str, torch.Tensor]:
+    sample = json.loads(payload)
+    return {"index": torch.tensor(sample["id"]), "x": torch.tensor([sample["id"] / 10.0])}
+
+
+@pytest.fixture(scope="module")
+def record_files(tmp_path_factory) -> list[Path]:
+    root = tmp_path_factory.mktemp("records")
+    paths = []
+    for shard, ids in enumerate(_ids(LENGTHS)):
+        paths.append(root / f"part{shard}.rec")
+        write_records(paths[-1], [json.dumps({"id": i, "pad": "x" * (i % 7)}).encode()
+                                  for i in ids])
+    return paths
+
+
+@pytest.fixture(scope="module")
+def line_files(tmp_path_factory) -> list[Path]:
+    root = tmp_path_factory.mktemp("lines")
+    paths = []
+    for shard, ids in enumerate(_ids(LENGTHS)):
+        paths.append(root / f"part{shard}.txt")
+        paths[-1].write_text("".join(f"{i}\n" for i in ids))
+    return paths
+
+
+class Counting(IterableDataset):
+    """A plain iterable dataset (no shards): ``0, 1, ..., n - 1``; sized or not."""
+
+    def __init__(self, n: int, sized: bool = True) -> None:
+        self.n, self.sized = n, sized
+        self.epochs: list[int] = []
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+    def __len__(self) -> int:
+        if not self.sized:
+            raise TypeError("unsized")
+        return self.n
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+
+class UnknownLengths(SequenceSource):
+    @property
+    def shard_lengths(self) -> None:
+        return None
+
+
+def flat(batch) -> list[int]:
+    if isinstance(batch, dict):
+        batch = batch["index"]
+    return batch.tolist() if isinstance(batch, torch.Tensor) else list(batch)
+
+
+def samples(epoch: list[list[int]]) -> list[int]:
+    return sorted(i for batch in epoch for i in batch)
+
+
+def test_resumable_loader_returns_the_iterable_loader_for_iterable_datasets() -> None:
+    for dataset in (SequenceSource([[1, 2, 3]]), Counting(5)):
+        loader = ResumableLoader(dataset, batch_size=2, seed=1, shuffle_buffer=0)
+        assert type(loader) is ResumableIterableLoader and loader.seed == 1
+    assert type(ResumableLoader(IndexDataset(4), batch_size=2)) is ResumableLoader
+    assert [flat(b) for b in ResumableLoader(SequenceSource([[1, 2, 3]]), batch_size=2)] == [
+        [1, 2], [3]]
+
+
+# -- the plan -----------------------------------------------------------------------------------
+
+# -- resume -------------------------------------------------------------------------------------
+
+# (dataset, lengths known, num_workers, options); with workers, bigger batches keep the number
+# of snapshots (each resumed loader starts its workers) small.
+CASES = {
+    "records, known, shuffled": ("records", True, 0, {"shuffle": True}),
+    "records, known, 2 workers, buffer": ("records", True, 2, {
+        "shuffle": True, "shuffle_buffer": 5, "batch_size": 9}),
+    "records, unknown, 2 workers, buffer": ("records", False, 2, {
+        "shuffle": True, "shuffle_buffer": 5, "batch_size": 9}),
+    "lines, unknown, drop": ("lines", False, 0, {"shuffle": True, "last_batch": "drop"}),
+    "sequences, known, pad": ("sequences", True, 0, {"last_batch": "pad"}),
+    "sequences, known, rollover": ("sequences", True, 0, {"shuffle": True,
+                                                          "last_batch": "rollover"}),
+    "plain, sized, 2 workers": ("plain", True, 2, {"batch_size": 9}),
+    "plain, unsized, buffer": ("plain", False, 0, {"shuffle": True, "shuffle_buffer": 6}),
+}
+
+
+def _dataset(kind: str, known: bool, record_files, line_files):
+    if kind == "records":
+        return RecordFiles(record_files, lengths="scan" if known else None, decode=decode)
+    if kind == "lines":
+        return LineFiles(line_files, lengths="scan" if known else None, decode=int)
+    if kind == "sequences":
+        return (SequenceSource if known else UnknownLengths)(_ids(LENGTHS))
+    return Counting(TOTAL, sized=known)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_resume_at_every_step_is_exact(case, record_files, line_files) -> None:
+    kind, known, workers, options = CASES[case]
+    options = {"batch_size": 4, **options}
+    size = options["batch_size"]
+
+    def make() -> ResumableIterableLoader:
+        return ResumableLoader(_dataset(kind, known, record_files, line_files), seed=11,
+                               num_workers=workers, **options)
+
+    full = check_resume_at_every_step(make, epochs=2, key=flat)
+    policy = options.get("last_batch", "keep")
+    everything = list(range(TOTAL))
+    for epoch in full:
+        if policy == "keep":
+            assert samples(epoch) == everything
+        if policy == "drop":
+            assert all(len(b) == size for b in epoch) and len(set(samples(epoch))) == len(
+                samples(epoch))
+        if policy == "pad":
+            assert set(samples(epoch)) == set(everything) and all(len(b) == size for b in epoch)
+    if policy == "rollover":
+        assert sorted(samples(full[0]) + samples(full[1])) == sorted(
+            (everything * 2)[:len(samples(full[0]) + samples(full[1]))])
+    if options.get("shuffle"):
+        assert [i for b in full[0] for i in b] != [i for b in full[1] for i in b]
+    loader = make()
+    if known and policy != "rollover":
+        assert len(loader) == len(full[0]) == len(full[1])
+    else:
+        with pytest.raises(TypeError):
+            len(loader)
+
+
+def test_stream_does_not_depend_on_prefetching_pinning_or_persistence(record_files) -> None:
+    runs = []
+    for kwargs in ({"num_workers": 2}, {"num_workers": 2, "prefetch_factor": 1},
+                   {"num_workers": 2, "persistent_workers": False, "prefetch_factor": 4}):
+        loader = ResumableLoader(RecordFiles(record_files, decode=decode), batch_size=3,
+                                 shuffle=True, shuffle_buffer=4, seed=2, **kwargs)
+        runs.append(run_epochs(loader, range(2), key=flat))
+        loader.close()
+    assert runs[0] == runs[1] == runs[2]
+    one = ResumableLoader(RecordFiles(record_files, decode=decode), batch_size=3, shuffle=True,
+                          seed=2, num_workers=1)
+    zero = ResumableLoader(RecordFiles(record_files, decode=decode), batch_size=3, shuffle=True,
+                           seed=2, num_workers=0)
+    assert run_epochs(one, range(2), key=flat) == run_epochs(zero, range(2), key=flat)
+    one.close()
+
+
+@pytest.mark.parametrize("policy", ["keep", "drop", "pad"])
+@pytest.mark.parametrize("plain", [False, True])
+def test_ranks_get_equal_batch_counts_and_disjoint_shares(policy, plain) -> None:
+    world = 3
+    ranks = []
+    for rank in range(world):
+        dataset = Counting(TOTAL) if plain else SequenceSource(_ids(LENGTHS))
+        loader = ResumableLoader(dataset, batch_size=4, shuffle=not plain, seed=4,
+                                 last_batch=policy, rank=rank, world_size=world)
+        ranks.append(run_epochs(loader, range(2), key=flat))
+        assert len(loader) == len(ranks[-1][0]) == len(ranks[-1][1])
+    for epoch in range(2):
+        assert len({len(r[epoch]) for r in ranks}) == 1
+        read = [i for r in ranks for b in r[epoch] for i in b]
+        if policy == "keep":
+            assert sorted(read) == list(range(TOTAL))
+        if policy == "drop":
+            assert len(read) == len(set(read)) == len(ranks[0][epoch]) * 4 * world
+        if policy == "pad":
+            assert set(read) == set(range(TOTAL)) and len(read) == len(ranks[0][epoch]) * 12
+
+
+def test_evaluation_merges_fewer_leftovers_than_ranks_into_the_first_ranks() -> None:
+    sizes = []
+    for rank in range(3):
+        loader = ResumableLoader(SequenceSource([list(range(10))]), batch_size=1,
+                                 evaluation=True, rank=rank, world_size=3)
+        sizes.append([len(flat(b)) for b in loader])
+    assert sizes == [[1, 1, 2], [1, 1, 1], [1, 1, 1]]
+    with pytest.raises(ValueError, match="evaluation=True"):
+        len(ResumableLoader(SequenceSource([list(range(10))]), batch_size=1, rank=0,
+                            world_size=3))
+
+
+# -- state and epochs ---------------------------------------------------------------------------
+
+
+def test_state_is_tiny_with_known_lengths_and_holds_every_slot_without(record_files) -> None:
+    known = ResumableLoader(RecordFiles(record_files, lengths="scan", decode=decode),
+                            batch_size=4, num_workers=2)
+    next(iter(known))
+    state = known.state_dict()
+    assert "slots" not in state["extra"] and len(pickle.dumps(state)) < 1024
+    known.close()
+    unknown = ResumableLoader(RecordFiles(record_files, decode=decode), batch_size=4,
+                              num_workers=2)
+    iterator = iter(unknown)
+    for _ in range(3):
+        next(iterator)
+    slots = unknown.state_dict()["extra"]["slots"]
+    assert len(slots) == 1 and len(slots[0]) == 2
+    batches, emitted, _, _, offset, reader_state, exhausted = slots[0][0]
+    assert (batches, emitted, exhausted) == (2, 8, False)
+    assert reader_state["position"] == offset and reader_state["offset"] > 0
+    unknown.close()
+
+
+def _partial_state(make, batches: int, epoch: int = 0):
+    loader = make()
+    set_epoch(loader, epoch)
+    iterator = iter(loader)
+    for _ in range(batches):
+        next(iterator)
+    state = loader.state_dict()
+    loader.close()
+    return state
+
+
+def test_mid_epoch_resume_with_another_configuration_is_refused_with_the_reason() -> None:
+    def make(workers: int = 0, world: int = 1):
+        return ResumableLoader(SequenceSource(_ids(LENGTHS)), batch_size=4, shuffle=True,
+                               num_workers=workers, rank=0, world_size=world)
+
+    state = _partial_state(make, 3)
+    for other in (make(workers=2), make(world=2)):
+        other.load_state_dict(state)
+        with pytest.raises(ValueError, match="cannot resume mid-epoch.*repeat or skip"):
+            next(iter(other))
+        other.close()
+
+
+def test_at_an_epoch_boundary_any_configuration_resumes() -> None:
+    def make(workers: int):
+        return ResumableLoader(SequenceSource(_ids(LENGTHS)), batch_size=4, shuffle=True,
+                               seed=9, num_workers=workers)
+
+    done = make(0)
+    run_epochs(done, [0])
+    resumed = make(2)
+    resumed.load_state_dict(done.state_dict())
+    expected = run_epochs(make(2), range(2), key=flat)[1]
+    assert [flat(b) for b in resumed] == expected
+    resumed.close()
+
+
+def test_restored_cursor_wins_over_a_stale_set_epoch_and_yields_to_a_later_one() -> None:
+    def make():
+        return ResumableLoader(UnknownLengths(_ids(LENGTHS)), batch_size=4, shuffle=True,
+                               shuffle_buffer=3, seed=4)
+
+    expected = run_epochs(make(), range(4), key=flat)
+    state = _partial_state(make, 2, epoch=2)
+    stale = make()
+    stale.load_state_dict(state)
+    set_epoch(stale, 0)
+    assert [flat(b) for b in stale] == expected[2][2:]
+    moved_on = make()
+    moved_on.load_state_dict(state)
+    set_epoch(moved_on, 3)
+    assert [flat(b) for b in moved_on] == expected[3]
+
+
+def test_a_cursor_after_the_last_batch_starts_the_next_epoch_even_with_unknown_lengths() -> None:
+    def make():
+        return ResumableLoader(UnknownLengths(_ids(LENGTHS)), batch_size=4, shuffle=True, seed=4)
+
+    expected = run_epochs(make(), range(2), key=flat)
+    state = _partial_state(make, len(expected[0]))  # no StopIteration seen yet
+    assert state["extra"]["ended"]
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [flat(b) for b in resumed] == expected[1]
+
+
+def test_iter_alone_starts_nothing_and_close_leaves_no_process(record_files) -> None:
+    loader = ResumableLoader(RecordFiles(record_files, decode=decode), batch_size=4,
+                             num_workers=2)
+    for _ in range(3):
+        iter(loader)
+    assert loader_processes() == [] and loader.epoch is None
+    next(iter(loader))
+    assert loader.epoch == 0 and len(loader_processes()) == 2
+    loader.close()
+    assert loader_processes() == []
+    _start_and_drop(record_files)
+    gc.collect()
+    assert loader_processes() == []
+
+
+def _start_and_drop(record_files) -> None:
+    """A loader whose workers run when it goes out of scope (in its own frame: on Python 3.11
+    ``_lightning.find_prefetcher`` snapshots the calling frames' locals, which holds a loader
+    created in the same frame until that frame returns)."""
+    dropped = ResumableLoader(RecordFiles(record_files, decode=decode), batch_size=4,
+                              num_workers=2)
+    next(iter(dropped))
+    assert len(loader_processes()) == 2
+
+
+def test_unknown_lengths_on_several_ranks_need_a_process_group() -> None:
+    loader = ResumableLoader(UnknownLengths(_ids(LENGTHS)), batch_size=4, rank=0, world_size=2)
+    with pytest.raises(RuntimeError, match="process group"):
+        next(iter(loader))
+
+
+def test_a_plain_dataset_hears_the_epoch() -> None:
+    dataset = Counting(12)
+    loader = ResumableLoader(dataset, batch_size=4)
+    run_epochs(loader, range(3))
+    assert dataset.epochs == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("dataset", "kwargs", "match"),
+    [
+        (SequenceSource([[1]]), {"sampler": [0]}, "no sampler"),
+        (UnknownLengths([[1]]), {"last_batch": "rollover"}, "rollover"),
+        (Counting(5), {"last_batch": "rollover"}, "rollover"),
+        (UnknownLengths([[1]]), {"last_batch": "pad"}, "needs known lengths"),
+        (Counting(5), {"shuffle": True}, "shuffle_buffer"),
+        (SequenceSource([[1]]), {"on_error": "skip"}, "on_error"),
+        (SequenceSource([[1]]), {"shuffle_buffer": -1}, "shuffle_buffer"),
+        (SequenceSource([[1]]), {"sync_interval": 0}, "sync_interval"),
+        (SequenceSource([[], []]), {}, "empty"),
+        (SequenceSource([[1]]), {"batch_size": 0}, "batch_size"),
+    ],
+)
+def test_impossible_settings_fail_at_construction(dataset, kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        ResumableLoader(dataset, **kwargs)
+
+
+class _Lying(SequenceSource):
+    @property
+    def shard_lengths(self) -> list[int]:
+        return [len(s) + 2 for s in self.sequences]
+
+
+class _Broken(SequenceSource):
+    def open_shard(self, index, start=0, state=None):
+        for i, sample in enumerate(super().open_shard(index, start, state)):
+            if index == 1 and start + i == 3:
+                raise KeyError("bad record")
+            yield sample
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_errors_name_the_shard_slot_and_epoch(workers) -> None:
+    loader = ResumableLoader(_Lying([[1, 2], [3]]), batch_size=2, num_workers=workers)
+    with pytest.raises(Exception, match=r"shard \d ended at sample \d, but its declared length"):
+        list(loader)
+    loader.close()
+    broken = ResumableLoader(_Broken([[0, 1], list(range(10, 20))]), batch_size=2,
+                             num_workers=workers)
+    where = (r"batch 2 of slot 0 \(shard 1, reading from sample 2\) in epoch 0" if workers == 0
+             else r"epoch 0")
+    with pytest.raises(Exception, match=rf"KeyError.*{where}") as info:
+        list(broken)
+    assert "bad record" in str(info.value)
+    broken.close()
+
+
+class _KillsItsWorkerOnce(SequenceSource):
+    """Opening shard 3 the first time (in a worker) kills that worker, as the OOM killer would."""
+
+    def __init__(self, sequences, marker: Path, known: bool) -> None:
+        super().__init__(sequences)
+        self.marker, self.known = marker, known
+
+    @property
+    def shard_lengths(self):
+        return super().shard_lengths if self.known else None
+
+    def open_shard(self, index, start=0, state=None):
+        if index == 3 and get_worker_info() is not None and not self.marker.exists():
+            self.marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().open_shard(index, start, state)
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_a_killed_worker_is_replaced_and_the_stream_goes_on_exactly(known, tmp_path) -> None:
+    def make(marker: Path, **kwargs):
+        return ResumableLoader(_KillsItsWorkerOnce(_ids([9, 14, 6, 11, 8]), marker, known),
+                               batch_size=3, shuffle=True, shuffle_buffer=4, seed=2,
+                               num_workers=2, **kwargs)
+
+    (tmp_path / "no-kill").touch()
+    expected = run_epochs(make(tmp_path / "no-kill"), range(2), key=flat)
+    crashing = make(tmp_path / "kill")
+    assert run_epochs(crashing, range(2), key=flat) == expected
+    assert crashing.worker_restarts == 1
+    crashing.close()
+    strict = make(tmp_path / "kill-again", max_worker_restarts=0)
+    with pytest.raises(WorkerCrashedError, match="SIGKILL.*max_worker_restarts=0") as info:
+        run_epochs(strict, range(1))
+    assert info.value.signal == "SIGKILL"
+    assert loader_processes() == []
+
+
+def test_repr_says_where_the_loader_is(record_files) -> None:
+    loader = ResumableLoader(RecordFiles(record_files, decode=decode), batch_size=4)
+    next(iter(loader))
+    text = repr(loader)
+    for part in ("RecordFiles(6 shards, samples=unknown)", "rank=0/1", "epoch=0", "batches=1"):
+        assert part in text
+
+
+# -- under a real Trainer -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("known", "workers"), [(True, 2), (False, 0)])
+def test_trainer_resumes_from_every_step(known, workers, record_files, tmp_path) -> None:
+    def make():
+        return ResumableLoader(RecordFiles(record_files[:3], lengths="scan" if known else None,
+                                           decode=decode),
+                               batch_size=8, shuffle=True, shuffle_buffer=4, seed=5,
+                               num_workers=workers)
+
+    full = check_trainer_resume(make, tmp_path, max_epochs=2, batch_idx=known)
+    epochs = [[b for e, _, b in full if e == epoch] for epoch in range(2)]
+    assert all(samples(e) == list(range(sum(LENGTHS[:3]))) for e in epochs)
+
+
+def test_trainer_trains_a_plain_iterable_through_the_fallback(tmp_path) -> None:
+    def make():
+        return ResumableLoader(Counting(30, sized=False), batch_size=4, shuffle=True,
+                               shuffle_buffer=5, seed=1)
+
+    full = check_trainer_resume(make, tmp_path, max_epochs=2, steps=[1, 5, 8, 9, 13],
+                                batch_idx=False)
+    assert [sorted(i for e, _, b in full if e == epoch for i in b) for epoch in range(2)] == [
+        list(range(30))] * 2
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="gloo DDP on CPU")
+def test_ddp_two_ranks_cover_every_record_once_with_equal_counts_and_resume(
+        tmp_path, record_files) -> None:
+    """Real 2-rank gloo DDP under ``Trainer(strategy="ddp")``: uneven record files with known
+    lengths and 2 workers per rank, and the same files with unknown lengths."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for path in record_files:
+        (data / path.name).write_bytes(path.read_bytes())
+    runs = run_ddp(SCRIPT, [str(data), str(tmp_path / "ckpt"), "--run", "known:2",
+                            "--run", "unknown:0", "--resumes", "2"], tmp_path / "out")
+    for run in ("known:2", "unknown:0"):
+        ranks = [rank_runs[run] for rank_runs in runs]
+        for epoch in range(2):
+            counts = [sum(1 for e, _ in rank["seen"] if e == epoch) for rank in ranks]
+            read = [i for rank in ranks for e, ids in rank["seen"] if e == epoch for i in ids]
+            assert counts[0] == counts[1] > 0, f"{run}: unequal batch counts {counts}"
+            if run == "known:2":
+                assert counts == [ranks[0]["len"]] * 2 == [8, 8]
+                assert sorted(read) == list(range(TOTAL)), "every record exactly once"
+            else:
+                assert ranks[0]["len"] is None
+                assert len(read) == len(set(read)) and set(read) <= set(range(TOTAL))
+        for rank in ranks:
+            full = [ids for _, ids in rank["seen"]]
+            assert len(rank["resumes"]) >= 3
+            for step, after in rank["resumes"].items():
+                assert after == full[int(step):], f"{run}: resume from step {step} diverged"

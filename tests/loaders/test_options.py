@@ -1,0 +1,237 @@
+"""Bad input is refused clearly: impossible settings at construction (with the fix in the
+message), and saved states that do not belong to the loader (naming each field, both values)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from torch.utils.data import BatchSampler, IterableDataset, SequentialSampler
+
+from lightning_loaders import ResumableLoader
+from lightning_loaders.loaders.options import start_method
+from lightning_loaders.sources.shards import SequenceSource
+from tests.conftest import IndexDataset
+from tests.resume_harness import checkpoint_roundtrip, run_epochs
+
+
+class HoldsALambda(IndexDataset):
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.transform = lambda x: x
+
+
+class Empty(IndexDataset):
+    def __len__(self) -> int:
+        return 0
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+BAD_SETTINGS = [
+    # (dataset, kwargs, exception, what the message must say: the problem and the fix)
+    (10, {"batch_size": 0}, ValueError, r"batch_size must be an int >= 1, got 0.*batch_size=1"),
+    (10, {"batch_size": 2.5}, ValueError, r"batch_size must be an int >= 1, got 2\.5"),
+    (10, {"batch_size": True}, ValueError, r"batch_size must be an int >= 1, got True"),
+    (10, {"batch_size": None}, ValueError, r"unbatched loading is not supported"),
+    (10, {"num_workers": -1}, ValueError, r"num_workers must be an int >= 0, got -1: use 0"),
+    (10, {"shuffle": True, "sampler": SequentialSampler(range(10))}, ValueError,
+     r"shuffle=True cannot be combined with a sampler.*drop shuffle"),
+    (10, {"batch_sampler": BatchSampler(SequentialSampler(range(10)), 2, False),
+          "batch_size": 4}, ValueError, r"batch_sampler is mutually exclusive with batch_size"),
+    (10, {"timeout": -1}, ValueError, r"timeout must be a number >= 0, got -1: use 0"),
+    (10, {"timeout": 5}, ValueError, r"timeout=5 needs worker processes.*num_workers > 0"),
+    (10, {"prefetch_factor": 2}, ValueError, r"prefetch_factor=2 needs num_workers > 0"),
+    (10, {"num_workers": 1, "prefetch_factor": 0}, ValueError, r"prefetch_factor must be .*>= 1"),
+    (10, {"persistent_workers": True}, ValueError, r"persistent_workers=True needs num_workers"),
+    (10, {"collate_fn": 3}, TypeError, r"collate_fn must be callable, got a int"),
+    (10, {"worker_init_fn": "init"}, TypeError, r"worker_init_fn must be callable"),
+    (10, {"num_workers": 1, "multiprocessing_context": "spwan"}, ValueError,
+     r"multiprocessing_context='spwan' is not a start method.*use one of"),
+    (10, {"last_batch": "wrap"}, ValueError, r"last_batch must be one of"),
+    (10, {"drop_last": True, "last_batch": "pad"}, ValueError, r"drop_last=True contradicts"),
+    (10, {"on_error": "ignore"}, ValueError, r"on_error must be one of \('raise', 'skip'\)"),
+    (10, {"max_worker_restarts": -1}, ValueError, r"max_worker_restarts .* use 0"),
+    (10, {"rank": 2, "world_size": 2}, ValueError, r"need 0 <= rank < world_size"),
+    (10, {"rank": 1}, ValueError, r"give both rank and world_size"),
+    # A dataset shorter than the world size (or than one global batch under drop/rollover).
+    (3, {"drop_last": True, "rank": 0, "world_size": 4}, ValueError,
+     r"leaves no batch: 3 samples .* 4 ranks x batch_size 1; use a smaller batch_size, "
+     r"fewer ranks, or last_batch='pad'"),
+    (3, {"rank": 0, "world_size": 4}, ValueError,
+     r"cannot give each of 4 ranks a non-empty last batch from 3 samples.*'pad'"),
+    (5, {"last_batch": "rollover", "batch_size": 4, "rank": 0, "world_size": 2}, ValueError,
+     r"rollover' needs at least one global batch per epoch.*batch_size <= 2"),
+    ("empty", {}, ValueError, r"the dataset \(Empty\) is empty.*at least one sample"),
+    # Workers started by spawn receive the dataset and functions pickled.
+    ("lambda", {"num_workers": 1, "multiprocessing_context": "spawn"}, ValueError,
+     r"the dataset cannot be pickled .*'spawn'.*module level.*'fork'.*num_workers=0"),
+    (10, {"num_workers": 1, "multiprocessing_context": "forkserver",
+          "collate_fn": lambda b: b}, ValueError, r"the collate_fn cannot be pickled"),
+]
+
+
+@pytest.mark.parametrize(("dataset", "kwargs", "error", "match"), BAD_SETTINGS)
+def test_impossible_settings_fail_at_construction_with_the_fix(dataset, kwargs, error, match):
+    data = {"empty": Empty(0), "lambda": HoldsALambda(10)}.get(dataset) if isinstance(
+        dataset, str) else IndexDataset(dataset)
+    with pytest.raises(error, match=match):
+        ResumableLoader(data, **kwargs)
+
+
+class _Stream(IterableDataset[int]):
+    """A plain iterable dataset without shards (and a lambda that spawn cannot pickle)."""
+
+    def __init__(self) -> None:
+        self.transform = lambda x: x
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(10))
+
+
+ITERABLE_BAD_SETTINGS = [  # the same checks reach ResumableLoader over an iterable dataset
+    (lambda: SequenceSource([[], []]), {}, r"is empty: its shard lengths add up to 0"),
+    (lambda: SequenceSource([[1, 2], [3]]), {"num_workers": -1}, r"num_workers must be .* 0"),
+    (lambda: SequenceSource([[1, 2], [3]]), {"batch_size": 0}, r"batch_size must be an int >= 1"),
+    (lambda: SequenceSource([[1, 2], [3]]), {"on_error": "ignore"}, r"on_error must be one of"),
+    (_Stream, {"last_batch": "rollover"}, r"rollover' needs a ShardedSource with known shard"),
+    (_Stream, {"num_workers": 1, "multiprocessing_context": "spawn", "shuffle_buffer": 4},
+     r"the dataset cannot be pickled"),
+]
+
+
+@pytest.mark.parametrize(("dataset", "kwargs", "match"), ITERABLE_BAD_SETTINGS)
+def test_impossible_settings_fail_at_construction_for_iterable_datasets_too(dataset, kwargs,
+                                                                            match) -> None:
+    with pytest.raises(ValueError, match=match):
+        ResumableLoader(dataset(), **kwargs)
+
+
+def test_a_world_size_known_only_later_is_checked_at_the_first_use(monkeypatch) -> None:
+    loader = ResumableLoader(IndexDataset(5), batch_size=4, drop_last=True)  # 1 rank: fine
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match=r"5 samples are fewer than one global batch of 2 "
+                                         r"ranks x batch_size 4; use a smaller batch_size"):
+        len(loader)
+    with pytest.raises(ValueError, match="smaller batch_size"):
+        ResumableLoader(IndexDataset(5), batch_size=4, drop_last=True)
+
+
+def test_what_is_only_risky_elsewhere_is_accepted() -> None:
+    # Not pickled by fork; pickled fine by spawn (nothing is started until the first batch).
+    assert len(list(ResumableLoader(HoldsALambda(8), batch_size=4, num_workers=1,
+                                    multiprocessing_context="fork"))) == 2
+    ResumableLoader(IndexDataset(8), batch_size=4, num_workers=1, collate_fn=_identity,
+                    multiprocessing_context="spawn")
+    assert start_method(None) in ("fork", "spawn", "forkserver")
+    with pytest.warns(UserWarning, match="in_order=False is ignored"):
+        ResumableLoader(IndexDataset(8), in_order=False)
+
+
+# -- saved states --------------------------------------------------------------------------
+
+
+def _loader(**kwargs: Any) -> ResumableLoader:
+    options: dict[str, Any] = {"batch_size": 4, "shuffle": True, "seed": 1}
+    options.update(kwargs)
+    return ResumableLoader(IndexDataset(options.pop("n", 20)), **options)
+
+
+def _saved(**kwargs: Any) -> dict[str, Any]:
+    loader = _loader(**kwargs)
+    iterator = iter(loader)
+    next(iterator)
+    next(iterator)
+    return checkpoint_roundtrip(loader.state_dict())
+
+
+MISMATCHES = [
+    ({"n": 21}, ["dataset_len: saved 20, this loader 21"]),
+    ({"seed": 2}, ["seed: saved 1, this loader 2"]),
+    ({"batch_size": 5}, ["batch_size: saved 4, this loader 5"]),
+    ({"last_batch": "drop"}, ["last_batch: saved 'keep', this loader 'drop'"]),
+    ({"shuffle": False}, ["order: saved 'shuffled', this loader 'sequential'"]),
+    ({"n": 30, "seed": 9, "batch_size": 2},
+     ["dataset_len: saved 20, this loader 30", "seed: saved 1, this loader 9",
+      "batch_size: saved 4, this loader 2"]),
+]
+
+
+@pytest.mark.parametrize(("changed", "named"), MISMATCHES)
+def test_a_state_of_another_dataset_or_configuration_is_refused_naming_both_values(changed,
+                                                                                   named):
+    with pytest.raises(ValueError) as info:
+        _loader(**changed).load_state_dict(_saved())
+    message = str(info.value)
+    assert all(line in message for line in named), message
+    assert message.count("saved") == len(named), "only the mismatched fields are named"
+
+
+CORRUPTED = [  # (changes to a valid state: None deletes the key, or a whole non-state)
+    ({"version": 99}, r"unsupported state version: saved 99, this loader reads version 1"),
+    ({"version": None}, r"unsupported state version: saved None"),
+    ([1, 2, 3], r"a loader state must be a dict, got list"),
+    ("not a state", r"a loader state must be a dict, got str"),
+    ({"batches": None}, r"missing keys \['batches'\]"),
+    ({"surprise": 1}, r"unknown keys \['surprise'\]"),
+    ({"epoch": -1}, r"epoch=-1 is not an int >= 0"),
+    ({"batches": "2"}, r"batches='2' is not an int >= 0"),
+    ({"batches": True}, r"batches=True is not an int >= 0"),
+    ({"world_size": 0}, r"world_size must be >= 1"),
+    ({"batches": 6}, r"batches=6 is past the end of epoch 0, which has 5 batches"),
+    ({"offset_batches": 3}, r"offset_batches=3 exceeds batches=2"),
+    ({"offset_position": 25}, r"epoch 0 from position 25 on world size 1 has no plan"),
+    ({"fingerprint": [("seed", 1)]}, r"fingerprint=\[\('seed', 1\)\] is not a dict"),
+    ({"fingerprint": None}, r"dataset_len: saved None, this loader 20"),
+    ({"extra": 7}, r"extra=7 is not a dict"),
+]
+
+
+@pytest.mark.parametrize(("changes", "match"), CORRUPTED)
+def test_a_corrupted_or_unknown_state_is_refused(changes, match) -> None:
+    state: Any = changes
+    if isinstance(changes, dict):
+        state = _saved()
+        for key, value in changes.items():
+            if value is None:
+                del state[key]
+            else:
+                state[key] = value
+    loader = _loader()
+    with pytest.raises(ValueError, match=match):
+        loader.load_state_dict(state)
+    assert loader.state_dict()["batches"] == 0, "a refused state changes nothing"
+
+
+def test_what_is_safe_to_change_is_accepted_and_resumes_exactly() -> None:
+    expected = run_epochs(_loader(), range(2), key=lambda b: b["index"].tolist())
+    for changed in ({"num_workers": 2, "prefetch_factor": 4}, {"num_workers": 1,
+                    "persistent_workers": False, "timeout": 30}, {"pin_memory": True}):
+        resumed = _loader(**changed)
+        resumed.load_state_dict(_saved())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # pin_memory without an accelerator
+            rest = run_epochs(resumed, range(2), key=lambda b: b["index"].tolist())
+        assert rest == [expected[0][2:], expected[1]]
+        resumed.close()
+
+
+def test_another_world_size_is_accepted_except_under_rollover() -> None:
+    state = _saved(rank=0, world_size=2)
+    consumed = [i for r in range(2) for b in run_epochs(_loader(rank=r, world_size=2), [0],
+                                                        key=lambda b: b["index"].tolist())[0][:2]
+                for i in b]
+    elastic = _loader()
+    elastic.load_state_dict(state)
+    rest = [i for b in elastic for i in b["index"].tolist()]
+    assert sorted(consumed + rest) == list(range(20))
+    state = _saved(last_batch="rollover", rank=0, world_size=2)
+    rollover = _loader(last_batch="rollover")
+    rollover.load_state_dict(state)
+    with pytest.raises(ValueError, match="rollover' with another world size: saved 2, now 1"):
+        next(iter(rollover))

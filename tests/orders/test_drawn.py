@@ -1,0 +1,230 @@
+import os
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Sampler
+
+from lightning_loaders import ResumableLoader
+from lightning_loaders.orders.drawn import DrawnBatchOrder, DrawnOrder
+from tests.conftest import IndexDataset
+from tests.resume_harness import check_resume_at_every_step, run_epochs
+
+N = 21
+
+
+def indices(batch) -> list[int]:
+    return batch["index"].tolist()
+
+
+class GlobalRngSampler(Sampler[int]):
+    """Shuffles with torch's and numpy's global RNGs, as much user code does."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __iter__(self):
+        perm = torch.randperm(N)
+        return iter(perm[np.random.permutation(N)].tolist())
+
+
+class GeneratorSampler(Sampler[int]):
+    def __init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(123)  # advances every draw
+
+    def __len__(self) -> int:
+        return N
+
+    def __iter__(self):
+        return iter(torch.randperm(N, generator=self.generator).tolist())
+
+
+class Curriculum(Sampler[int]):
+    """Stateful: each draw shows more of the dataset; the state is how many draws were made."""
+
+    def __init__(self) -> None:
+        self.stage = 0
+        self.rng = np.random.default_rng(0)
+
+    def __len__(self) -> int:
+        return N
+
+    def __iter__(self):
+        self.stage += 1
+        visible = min(N, 5 + 4 * self.stage)
+        order = np.resize(self.rng.permutation(visible), N).tolist()
+        return iter(order)
+
+    def state_dict(self) -> dict:
+        return {"stage": self.stage, "rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stage = state["stage"]
+        self.rng.bit_generator.state = state["rng"]
+
+
+class Unseeded(Sampler[int]):
+    def __len__(self) -> int:
+        return N
+
+    def __iter__(self):
+        return iter(np.random.default_rng(int.from_bytes(os.urandom(4))).permutation(N).tolist())
+
+
+@pytest.mark.parametrize("sampler", [GlobalRngSampler, GeneratorSampler, Curriculum])
+def test_drawn_samplers_resume_exactly_at_every_step(sampler) -> None:
+    def make() -> ResumableLoader:
+        return ResumableLoader(IndexDataset(N), sampler=sampler(), batch_size=4, seed=5)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        full = check_resume_at_every_step(make, epochs=3, key=indices)
+    streams = [[i for b in e for i in b] for e in full]
+    assert streams[0] != streams[1] != streams[2]
+    if sampler is Curriculum:
+        assert max(streams[0]) < max(streams[2]), "the sampler's own state must evolve"
+
+
+def test_every_rank_draws_the_same_epoch_and_takes_its_share() -> None:
+    def run(rank: int, world: int) -> list[list[int]]:
+        loader = ResumableLoader(IndexDataset(N), sampler=GlobalRngSampler(), batch_size=2,
+                                 seed=4, rank=rank, world_size=world)
+        return run_epochs(loader, range(2), key=indices)[1]
+
+    single = [i for b in run(0, 1) for i in b]
+    ranks = [run(r, 3) for r in range(3)]
+    assert [i for group in zip(*ranks, strict=True) for b in group for i in b] == single
+    assert sorted(single) == list(range(N))
+
+
+def test_drawing_leaves_global_rngs_and_the_samplers_generator_alone() -> None:
+    sampler = GeneratorSampler()
+    generator = sampler.generator
+    states = random.getstate(), np.random.get_state()[1].copy(), torch.random.get_rng_state()
+    order = DrawnOrder(sampler, seed=1)
+    first = order.indices(0, np.arange(N))
+    assert sampler.generator is generator
+    assert random.getstate() == states[0]
+    assert (np.random.get_state()[1] == states[1]).all()
+    assert torch.equal(torch.random.get_rng_state(), states[2])
+    for seed, same in ((1, True), (2, False)):
+        again = DrawnOrder(GeneratorSampler(), seed=seed).indices(0, np.arange(N))
+        assert (again.tolist() == first.tolist()) is same
+
+
+def test_set_epoch_is_called_before_each_draw() -> None:
+    class EpochAware(Sampler[int]):
+        def __init__(self) -> None:
+            self.epoch = -1
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+        def __len__(self) -> int:
+            return N
+
+        def __iter__(self):
+            return iter(np.roll(np.arange(N), self.epoch).tolist())
+
+    order = DrawnOrder(EpochAware(), seed=0)
+    assert order.indices(3, np.arange(2)).tolist() == [18, 19]
+
+
+def test_a_non_deterministic_sampler_gets_a_clear_warning() -> None:
+    loader = ResumableLoader(IndexDataset(N), sampler=Unseeded(), batch_size=4)
+    with pytest.warns(UserWarning, match="not deterministic given the seed.*resume"):
+        next(iter(loader))
+
+
+def test_samplers_without_len_are_drawn_once_to_learn_it() -> None:
+    class Odd:
+        def __iter__(self):
+            return iter(range(1, N, 2))
+
+    loader = ResumableLoader(IndexDataset(N), sampler=Odd(), batch_size=4)
+    assert len(loader) == 3
+    assert [i for b in loader for i in indices(b)] == list(range(1, N, 2))
+
+
+def test_an_infinite_sampler_with_len_is_cut_at_len() -> None:
+    class Forever(Sampler[int]):
+        def __len__(self) -> int:
+            return 6
+
+        def __iter__(self):
+            i = 0
+            while True:
+                yield i % N
+                i += 1
+
+    loader = ResumableLoader(IndexDataset(N), sampler=Forever(), batch_size=4)
+    assert [indices(b) for b in loader] == [[0, 1, 2, 3], [4, 5]]
+
+
+@pytest.mark.parametrize(
+    ("items", "match"),
+    [(["a", "b"], "yielded 'a' \\(str\\)"), ([0.5, 1.5], "integer dataset indices")],
+)
+def test_non_index_items_are_refused(items, match) -> None:
+    with pytest.raises(TypeError, match=match):
+        DrawnOrder(items, seed=0).indices(0, np.arange(2))
+
+
+def test_a_length_that_lies_is_refused() -> None:
+    class Liar(Sampler[int]):
+        def __len__(self) -> int:
+            return 5
+
+        def __iter__(self):
+            return iter(range(3))
+
+    with pytest.raises(ValueError, match="only 3 indices in epoch 0, but len\\(\\) is 5"):
+        DrawnOrder(Liar(), seed=0).indices(0, np.arange(2))
+
+
+def test_a_rank_aware_sampler_is_warned_about() -> None:
+    class Sharding(Sampler[int]):
+        num_replicas, rank = 2, 0
+
+        def __len__(self) -> int:
+            return 3
+
+        def __iter__(self):
+            return iter(range(3))
+
+    with pytest.warns(UserWarning, match="sharded twice"):
+        DrawnOrder(Sharding(), seed=0)
+
+
+class Buckets(Sampler[list[int]]):
+    def __init__(self, size: int = 3, ragged: bool = False) -> None:
+        self.size, self.ragged = size, ragged
+
+    def __iter__(self):
+        perm = torch.randperm(N).tolist()
+        sizes = [self.size + (i % 2 if self.ragged else 0) for i in range(N)]
+        out, start = [], 0
+        for size in sizes:
+            if start >= N:
+                break
+            out.append(perm[start:start + size])
+            start += size
+        return iter(out)
+
+
+def test_a_custom_batch_sampler_keeps_its_batches_and_resumes() -> None:
+    def make() -> ResumableLoader:
+        order = DrawnBatchOrder(Buckets(), seed=3)
+        return ResumableLoader(IndexDataset(N), sampler=order, batch_size=order.batch_size)
+
+    full = check_resume_at_every_step(make, epochs=2, key=indices)
+    order = DrawnBatchOrder(Buckets(), seed=3)
+    drawn = order.indices(0, np.arange(N)).tolist()
+    assert full[0] == [drawn[i:i + 3] for i in range(0, N, 3)]
+
+
+def test_variable_size_batches_are_refused_with_sizes() -> None:
+    with pytest.raises(ValueError, match="batches of different sizes \\(4 at batch 1"):
+        DrawnBatchOrder(Buckets(ragged=True), seed=0)

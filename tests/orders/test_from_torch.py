@@ -1,0 +1,141 @@
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
+
+from lightning_loaders import ResumableLoader
+from lightning_loaders.orders.base import SequentialOrder, ShuffledOrder
+from lightning_loaders.orders.drawn import DrawnBatchOrder, DrawnOrder
+from lightning_loaders.orders.from_torch import order_from_batch_sampler, order_from_sampler
+from lightning_loaders.orders.random import (
+    RepeatedShuffleOrder,
+    ReplacementOrder,
+    SubsetOrder,
+    WeightedOrder,
+)
+from tests.conftest import IndexDataset
+from tests.resume_harness import check_resume_at_every_step, run_epochs
+
+N = 23
+DS = IndexDataset(N)
+WEIGHTS = [0.0, 0.0, 1.0] + [float(i % 4) for i in range(3, N)]
+
+
+def samplers() -> dict[str, torch.utils.data.Sampler]:
+    return {
+        "sequential": SequentialSampler(DS),
+        "random": RandomSampler(DS),
+        "random_replacement": RandomSampler(DS, replacement=True, num_samples=30),
+        "random_num_samples": RandomSampler(DS, num_samples=40),
+        "subset": SubsetRandomSampler(list(range(2, 21, 2))),
+        "weighted": WeightedRandomSampler(WEIGHTS, 26),
+        "weighted_no_replacement": WeightedRandomSampler(WEIGHTS, 12, replacement=False),
+    }
+
+
+KINDS = sorted(samplers())
+
+
+def indices(batch) -> list[int]:
+    return batch["index"].tolist()
+
+
+def test_torch_samplers_map_to_their_counter_based_equivalents() -> None:
+    expected = {
+        "sequential": SequentialOrder, "random": ShuffledOrder,
+        "random_replacement": ReplacementOrder, "random_num_samples": RepeatedShuffleOrder,
+        "subset": SubsetOrder, "weighted": WeightedOrder, "weighted_no_replacement": WeightedOrder,
+    }
+    for kind, sampler in samplers().items():
+        order = order_from_sampler(sampler, N, seed=0)
+        assert type(order) is expected[kind], kind
+        assert len(order) == len(sampler), kind
+
+
+def test_subclasses_and_other_samplers_are_drawn_not_assumed() -> None:
+    class Reversed(SequentialSampler):
+        def __iter__(self):
+            return iter(range(len(self.data_source) - 1, -1, -1))
+
+    order = order_from_sampler(Reversed(DS), N, seed=0)
+    assert isinstance(order, DrawnOrder)
+    assert order.indices(0, np.arange(3)).tolist() == [22, 21, 20]
+    assert isinstance(order_from_sampler([4, 2, 0], N, seed=0), DrawnOrder)
+    with pytest.raises(TypeError, match="not iterable"):
+        order_from_sampler(42, N, seed=0)
+
+
+def test_a_distributed_sampler_is_replaced_by_the_global_order_it_shards() -> None:
+    for shuffle, kind in ((True, ShuffledOrder), (False, SequentialOrder)):
+        sampler = DistributedSampler(DS, num_replicas=2, rank=1, shuffle=shuffle)
+        order = order_from_sampler(sampler, N, seed=0)
+        assert type(order) is kind and len(order) == N
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_resumes_exactly_at_every_step(kind: str) -> None:
+    def make() -> ResumableLoader:
+        return ResumableLoader(DS, sampler=samplers()[kind], batch_size=4, seed=7)
+
+    full = check_resume_at_every_step(make, epochs=2, key=indices)
+    streams = [[i for b in e for i in b] for e in full]
+    sampler = samplers()[kind]
+    assert all(len(s) == len(sampler) for s in streams)
+    if kind != "sequential":
+        assert streams[0] != streams[1], "every epoch must draw anew"
+    if kind in ("sequential", "random"):
+        assert all(sorted(s) == list(range(N)) for s in streams)
+    if kind == "subset":
+        assert all(sorted(s) == sorted(sampler.indices) for s in streams)
+    if kind == "random_num_samples":
+        assert all(sorted(s[:N]) == list(range(N)) for s in streams)
+    if kind.startswith("weighted"):
+        assert not {0, 1} & {i for s in streams for i in s}, "zero weights are never drawn"
+    if kind == "weighted_no_replacement":
+        assert all(len(set(s)) == len(s) for s in streams)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ranks_split_the_single_process_stream(kind: str) -> None:
+    """Two ranks' shares of each global batch, side by side, are the single-process batches."""
+    def stream(rank: int, world: int, batch_size: int) -> list[list[int]]:
+        loader = ResumableLoader(DS, sampler=samplers()[kind], batch_size=batch_size, seed=3,
+                                 rank=rank, world_size=world)
+        return run_epochs(loader, range(2), key=indices)[1]
+
+    single = [i for b in stream(0, 1, 3) for i in b]
+    ranks = [stream(r, 2, 3) for r in range(2)]
+    assert len(ranks[0]) == len(ranks[1])
+    assert [i for pair in zip(*ranks, strict=True) for b in pair for i in b] == single
+
+
+def test_batch_sampler_is_its_samplers_order_in_batches() -> None:
+    batch_sampler = BatchSampler(RandomSampler(DS), batch_size=5, drop_last=True)
+    order, batch_size, drop_last = order_from_batch_sampler(batch_sampler, N, seed=1)
+    assert type(order) is ShuffledOrder and (batch_size, drop_last) == (5, True)
+    via_batches = ResumableLoader(DS, batch_sampler=batch_sampler, seed=1)
+    via_sampler = ResumableLoader(DS, sampler=RandomSampler(DS), batch_size=5, drop_last=True,
+                                  seed=1)
+    assert run_epochs(via_batches, range(2), indices) == run_epochs(via_sampler, range(2), indices)
+
+
+def test_other_batch_samplers_are_drawn_and_laid_end_to_end() -> None:
+    class Pairs(torch.utils.data.Sampler[list[int]]):
+        def __iter__(self):
+            perm = torch.randperm(N).tolist()
+            return iter([perm[i:i + 2] for i in range(0, N, 2)])
+
+        def __len__(self) -> int:
+            return (N + 1) // 2
+
+    order, batch_size, drop_last = order_from_batch_sampler(Pairs(), N, seed=2)
+    assert isinstance(order, DrawnBatchOrder)
+    assert (batch_size, drop_last, len(order)) == (2, False, N)
+    assert sorted(order.indices(0, np.arange(N)).tolist()) == list(range(N))

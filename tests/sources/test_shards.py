@@ -1,0 +1,175 @@
+import itertools
+import pickle
+from pathlib import Path
+
+import pytest
+
+from lightning_loaders.sources.shards import (
+    GeneratorSource,
+    LineFiles,
+    RecordFiles,
+    SequenceSource,
+    ShardedSource,
+    count_records,
+    write_records,
+)
+
+
+def _records(tmp_path: Path, lengths: list[int]) -> list[Path]:
+    paths = []
+    for shard, n in enumerate(lengths):
+        path = tmp_path / f"part{shard}.rec"
+        # Payloads of varying size, so byte offsets are not a multiple of the record count.
+        write_records(path, [f"{shard}:{i}:{'x' * (i % 5)}".encode() for i in range(n)])
+        paths.append(path)
+    return paths
+
+
+def _lines(tmp_path: Path, lengths: list[int], ending: str = "\n") -> list[Path]:
+    paths = []
+    for shard, n in enumerate(lengths):
+        path = tmp_path / f"part{shard}.txt"
+        text = ending.join(f"{shard}-{i}" for i in range(n))
+        path.write_bytes((text + (ending if shard % 2 == 0 and n else "")).encode())
+        paths.append(path)
+    return paths
+
+
+def _shard(source: ShardedSource, index: int, start: int = 0, state=None) -> list:
+    return list(source.open_shard(index, start, state))
+
+
+def test_records_round_trip_and_scan_lengths(tmp_path: Path) -> None:
+    paths = _records(tmp_path, [5, 0, 12])
+    source = RecordFiles(paths, lengths="scan", decode=bytes.decode)
+    assert source.shard_lengths == [5, 0, 12] == [count_records(p) for p in paths]
+    assert _shard(source, 2)[3] == "2:3:xxx"
+    assert list(source) == [f"{s}:{i}:{'x' * (i % 5)}" for s, n in ((0, 5), (2, 12))
+                            for i in range(n)]
+    assert len(source) == 17
+    raw = RecordFiles(paths)
+    assert raw.shard_lengths is None and _shard(raw, 0)[0] == b"0:0:"
+    with pytest.raises(TypeError, match="shard lengths"):
+        len(raw)
+
+
+@pytest.mark.parametrize("kind", ["records", "lines"])
+def test_opening_at_a_position_or_from_a_saved_state_equals_skipping(tmp_path, kind) -> None:
+    if kind == "records":
+        source: ShardedSource = RecordFiles(_records(tmp_path, [9]), lengths="scan")
+    else:
+        source = LineFiles(_lines(tmp_path, [9]), lengths="scan")
+    whole = _shard(source, 0)
+    reader = source.open_shard(0)
+    states = [reader.state_dict()]
+    for _ in whole:
+        next(reader)
+        states.append(reader.state_dict())
+    for start, state in enumerate(states):
+        assert _shard(source, 0, start) == whole[start:]
+        assert _shard(source, 0, start, state) == whole[start:]
+        assert state["position"] == start
+    # A state saved at another position is not trusted: the reader skips instead.
+    assert _shard(source, 0, 2, states[5]) == whole[2:]
+
+
+def test_lines_strip_endings_and_keep_a_last_line_without_one(tmp_path: Path) -> None:
+    paths = _lines(tmp_path, [3, 4], ending="\r\n")
+    source = LineFiles(paths, lengths="scan", decode=lambda line: line.split("-"))
+    assert source.shard_lengths == [3, 4]
+    assert _shard(source, 1) == [["1", str(i)] for i in range(4)]
+    assert _shard(source, 0, 1) == [["0", "1"], ["0", "2"]]
+
+
+def test_a_truncated_record_file_says_what_is_wrong(tmp_path: Path) -> None:
+    path = _records(tmp_path, [3])[0]
+    path.write_bytes(path.read_bytes()[:-2])
+    with pytest.raises(ValueError, match="record 2 claims"):
+        list(RecordFiles([path]).open_shard(0))
+    path.write_bytes(b"\x01\x00")
+    with pytest.raises(ValueError, match="truncated record header"):
+        list(RecordFiles([path]).open_shard(0))
+
+
+def test_sequences_and_generators() -> None:
+    source = SequenceSource([[1, 2, 3], [], [4]])
+    assert source.shard_lengths == [3, 0, 1]
+    assert _shard(source, 0, 1) == [2, 3] and list(source) == [1, 2, 3, 4]
+    calls = []
+
+    def numbers(shard: tuple[int, int], start: int = 0):
+        calls.append(start)
+        return range(shard[0] + start, shard[0] + shard[1])
+
+    plain = GeneratorSource(numbers, [(0, 5), (100, 3)])
+    seekable = GeneratorSource(numbers, [(0, 5), (100, 3)], lengths=[5, 3], seekable=True)
+    assert _shard(plain, 1, 1) == _shard(seekable, 1, 1) == [101, 102]
+    assert calls == [0, 1], "a seekable generator is asked to start at the position"
+    assert plain.shard_lengths is None and seekable.shard_lengths == [5, 3]
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: GeneratorSource(range, [1, 2], lengths=[1]), "2 shards"),
+        (lambda: GeneratorSource(range, [1], lengths=[-1]), ">= 0"),
+        (lambda: GeneratorSource(range, []), "at least one shard"),
+        (lambda: SequenceSource([]), "at least one"),
+        (lambda: RecordFiles([], lengths=None), "at least one file"),
+        (lambda: RecordFiles(["/nonexistent/x.rec"]), "no such file"),
+    ],
+)
+def test_bad_sources_fail_at_construction(make, match) -> None:
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        make()
+
+
+def test_fingerprints_change_with_files_and_lengths(tmp_path: Path) -> None:
+    paths = _records(tmp_path, [4, 6])
+    base = RecordFiles(paths, lengths="scan").fingerprint
+    assert RecordFiles(paths, lengths="scan").fingerprint == base
+    assert RecordFiles(paths[::-1], lengths=[6, 4]).fingerprint != base
+    assert RecordFiles(paths, lengths=[4, 5]).fingerprint != base
+    assert RecordFiles(paths).fingerprint != base
+    assert LineFiles(paths, lengths=[4, 6]).fingerprint != RecordFiles(paths, [4, 6]).fingerprint
+
+
+def _generate(shard: int) -> range:
+    return range(shard)
+
+
+def test_sources_travel_to_worker_processes(tmp_path: Path) -> None:
+    for source in (RecordFiles(_records(tmp_path, [3]), lengths="scan"),
+                   LineFiles(_lines(tmp_path, [2])), SequenceSource([[1, 2]]),
+                   GeneratorSource(_generate, [3, 4])):
+        copy = pickle.loads(pickle.dumps(source))
+        assert list(copy) == list(source) and copy.fingerprint == source.fingerprint
+
+
+def test_file_readers_close_their_files(tmp_path: Path) -> None:
+    psutil = pytest.importorskip("psutil")
+    source = RecordFiles(_records(tmp_path, [50]), lengths="scan")
+    process = psutil.Process()
+    before = len(process.open_files())
+    readers = [source.open_shard(0) for _ in range(5)]
+    for reader in readers:
+        list(itertools.islice(reader, 3))
+    assert len(process.open_files()) == before + 5
+    for reader in readers:
+        reader.close()
+    assert len(list(source)) == 50
+    assert len(process.open_files()) == before
+
+
+def test_a_saved_state_seeks_instead_of_reading_what_came_before(tmp_path: Path) -> None:
+    path = _records(tmp_path, [6])[0]
+    source = RecordFiles([path], lengths="scan")
+    reader = source.open_shard(0, 4)
+    state = reader.state_dict()
+    expected = list(reader)
+    data = bytearray(path.read_bytes())
+    data[0:4] = b"\xff\xff\xff\x7f"  # record 0 now claims 2 GiB: hopping over it fails
+    path.write_bytes(bytes(data))
+    assert _shard(source, 0, 4, state) == expected
+    with pytest.raises(ValueError, match="claims"):
+        list(source.open_shard(0))
