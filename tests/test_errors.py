@@ -12,8 +12,8 @@ import pytest
 from lightning_loaders import ResumableLoader, sample_context
 from lightning_loaders.errors import SampleFetchError, WorkerInitError
 from lightning_loaders.orders.base import ShuffledOrder
+from lightning_loaders.testing import Snapshot, check_resume_at_every_step, run_epochs
 from tests.conftest import IndexDataset
-from tests.resume_harness import Snapshot, check_resume_at_every_step, run_epochs
 
 
 def indices(batch) -> list[int]:

@@ -22,9 +22,9 @@ from torch.utils.data import RandomSampler
 
 from lightning_loaders import sample_rng
 from lightning_loaders.adapters.dali import DALILoader, FileSamples
+from lightning_loaders.testing import check_resume_at_every_step, run_epochs, set_epoch
 from tests.ddp_harness import REPO, run_ddp
 from tests.lightning_harness import check_trainer_resume, make_trainer
-from tests.resume_harness import check_resume_at_every_step, run_epochs, set_epoch
 from tests.scripts.dali_common import (
     key,
     make_loader,

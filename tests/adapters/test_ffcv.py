@@ -20,13 +20,10 @@ from ffcv.loader.epoch_iterator import EpochIterator  # noqa: E402
 from ffcv.transforms import ToDevice, ToTensor  # noqa: E402
 
 from lightning_loaders import LastBatch, ResumableLoader  # noqa: E402
-from lightning_loaders.adapters.ffcv import (  # noqa: E402
-    FFCV_INSTALL_HINT,
-    FFCVLoader,
-    _device_pipelines,
-    require_ffcv,
-)
+from lightning_loaders.adapters.ffcv import FFCV_INSTALL_HINT, FFCVLoader, require_ffcv  # noqa: E402
 from lightning_loaders.adapters.ffcv.beton import write_beton  # noqa: E402
+from lightning_loaders.adapters.ffcv.loader import _device_pipelines  # noqa: E402
+from lightning_loaders.testing import check_resume_at_every_step, run_epochs, set_epoch  # noqa: E402
 from tests.conftest import IndexDataset  # noqa: E402
 from tests.ddp_harness import REPO, run_ddp  # noqa: E402
 from tests.lightning_harness import (  # noqa: E402
@@ -35,7 +32,6 @@ from tests.lightning_harness import (  # noqa: E402
     checkpoint_at,
     fit_recording,
 )
-from tests.resume_harness import check_resume_at_every_step, run_epochs, set_epoch  # noqa: E402
 from tests.scripts.ffcv_fit import PIXEL_MODULUS, labels_key  # noqa: E402
 
 N = 41  # with 2 ranks and batch_size 4 (or 5) one sample is left over: the short-tail case

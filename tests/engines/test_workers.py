@@ -17,9 +17,9 @@ import torch
 
 from lightning_loaders import ResumableLoader, sample_context, worker_info
 from lightning_loaders.errors import WorkerCrashedError, WorkerTimeoutError
+from lightning_loaders.testing import run_epochs
 from tests.conftest import IndexDataset, loader_processes
 from tests.lightning_harness import RecordingModule, make_trainer
-from tests.resume_harness import run_epochs
 from tests.scripts.chaos_train import TrainingZygote, read_log
 
 LOGGER = "lightning_loaders.loaders.base"

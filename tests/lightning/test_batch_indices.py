@@ -3,8 +3,8 @@ from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 
 from lightning_loaders import ResumableLoader
 from lightning_loaders.lightning.batch_indices import batch_indices, expose_batch_indices
+from lightning_loaders.testing import run_epochs
 from tests.conftest import IndexDataset
-from tests.resume_harness import run_epochs
 
 
 def indices(batch) -> list[int]:

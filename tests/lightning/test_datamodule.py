@@ -13,6 +13,7 @@ from lightning_loaders import ResumableLoader
 from lightning_loaders.lightning.datamodule import STATE_KEY, ResumableDataModule
 from lightning_loaders.loaders.convert import make_resumable
 from lightning_loaders.orders.dynamic_weighted import DynamicWeightedSampler
+from lightning_loaders.testing import checkpoint_roundtrip, run_epochs, set_epoch
 from tests.conftest import IndexDataset
 from tests.ddp_harness import run_ddp
 from tests.lightning_harness import (
@@ -21,7 +22,6 @@ from tests.lightning_harness import (
     every_step_checkpoints,
     fit_recording,
 )
-from tests.resume_harness import checkpoint_roundtrip, run_epochs, set_epoch
 from tests.scripts import datamodule_ddp as ddp
 
 SCRIPT = Path(__file__).parent / "scripts" / "datamodule_ddp.py"

@@ -13,8 +13,8 @@ from lightning_loaders import ResumableLoader
 from lightning_loaders.loaders.convert import make_resumable
 from lightning_loaders.orders.base import ShuffledOrder
 from lightning_loaders.orders.drawn import DrawnBatchOrder
+from lightning_loaders.testing import check_resume_at_every_step, run_epochs, to_plain
 from tests.conftest import IndexDataset
-from tests.resume_harness import check_resume_at_every_step, run_epochs, to_plain
 
 
 def indices(batch) -> list[int]:

@@ -14,10 +14,10 @@ from lightning_loaders import ResumableLoader
 from lightning_loaders.errors import WorkerCrashedError
 from lightning_loaders.loaders.iterable import ResumableIterableLoader
 from lightning_loaders.sources.shards import LineFiles, RecordFiles, SequenceSource, write_records
+from lightning_loaders.testing import check_resume_at_every_step, run_epochs, set_epoch
 from tests.conftest import IndexDataset, loader_processes
 from tests.ddp_harness import REPO, run_ddp
 from tests.lightning_harness import check_trainer_resume
-from tests.resume_harness import check_resume_at_every_step, run_epochs, set_epoch
 
 LENGTHS = [7, 23, 4, 0, 15, 11]  # uneven, one empty shard
 TOTAL = sum(LENGTHS)

@@ -9,8 +9,8 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler, TensorDataset
 
 from lightning_loaders import ResumableLoader, WorkerInfo, sample_rng, worker_info
+from lightning_loaders.testing import check_resume_at_every_step, run_epochs, set_epoch, to_plain
 from tests.conftest import IndexDataset, loader_processes
-from tests.resume_harness import check_resume_at_every_step, run_epochs, set_epoch, to_plain
 
 POLICIES = ["keep", "drop", "pad", "rollover"]
 

@@ -13,8 +13,8 @@ from torch.utils.data import BatchSampler, IterableDataset, SequentialSampler
 from lightning_loaders import ResumableLoader
 from lightning_loaders.loaders.options import start_method
 from lightning_loaders.sources.shards import SequenceSource
+from lightning_loaders.testing import checkpoint_roundtrip, run_epochs
 from tests.conftest import IndexDataset
-from tests.resume_harness import checkpoint_roundtrip, run_epochs
 
 
 class HoldsALambda(IndexDataset):

@@ -9,8 +9,8 @@ from torch.utils.data import Sampler
 
 from lightning_loaders import ResumableLoader
 from lightning_loaders.orders.drawn import DrawnBatchOrder, DrawnOrder
+from lightning_loaders.testing import check_resume_at_every_step, run_epochs
 from tests.conftest import IndexDataset
-from tests.resume_harness import check_resume_at_every_step, run_epochs
 
 N = 21
 

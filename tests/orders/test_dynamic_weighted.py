@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader
 from lightning_loaders import ResumableLoader
 from lightning_loaders.loaders.convert import make_resumable
 from lightning_loaders.orders.dynamic_weighted import DynamicWeightedSampler
+from lightning_loaders.testing import check_resume_at_every_step, run_epochs
 from tests.conftest import IndexDataset
 from tests.lightning_harness import (
     RecordingModule,
@@ -16,7 +17,6 @@ from tests.lightning_harness import (
     every_step_checkpoints,
     fit_recording,
 )
-from tests.resume_harness import check_resume_at_every_step, run_epochs
 
 N = 24
 

@@ -20,8 +20,8 @@ from lightning_loaders.orders.random import (
     SubsetOrder,
     WeightedOrder,
 )
+from lightning_loaders.testing import check_resume_at_every_step, run_epochs
 from tests.conftest import IndexDataset
-from tests.resume_harness import check_resume_at_every_step, run_epochs
 
 N = 23
 DS = IndexDataset(N)

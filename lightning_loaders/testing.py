@@ -1,4 +1,5 @@
-"""The generic resume check every loader in this package goes through.
+"""``check_resume_at_every_step``: the generic resume check every loader in this package goes
+through, public so that a user's own order, source or loader can be proved resumable with it.
 
 Run once uninterrupted while snapshotting ``state_dict()`` after every batch; then, for every
 snapshot, build a fresh loader, load the snapshot (after a ``torch.save`` round trip, as a
@@ -15,6 +16,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+__all__ = ["Snapshot", "check_resume_at_every_step", "checkpoint_roundtrip", "run_epochs",
+           "set_epoch", "to_plain"]
 
 Key = Any
 
@@ -38,6 +42,8 @@ def set_epoch(loader: Any, epoch: int) -> None:
 
 
 def checkpoint_roundtrip(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` after a ``torch.save``/``torch.load(weights_only=True)`` round trip, as a
+    Lightning checkpoint stores it."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
@@ -46,6 +52,8 @@ def checkpoint_roundtrip(state: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Snapshot:
+    """A loader's ``state_dict()`` taken after ``batch`` batches of ``epoch``."""
+
     epoch: int
     batch: int  # batches of ``epoch`` delivered when the state was taken
     last_of_epoch: bool
@@ -72,21 +80,26 @@ def run_epochs(loader: Any, epochs: Iterable[int], key: Callable[[Any], Key] = t
 
 def check_resume_at_every_step(make_loader: Callable[[], Any], epochs: int,
                                key: Callable[[Any], Key] = to_plain) -> list[list[Key]]:
-    """Assert that resuming from every step's state reproduces the uninterrupted stream.
+    """Check that resuming from every step's state reproduces the uninterrupted stream.
 
-    Returns the uninterrupted run's batches per epoch for further checks.
+    ``make_loader`` builds a fresh loader (anything with ``state_dict``/``load_state_dict`` and
+    an optional ``sampler.set_epoch``); ``key`` turns a batch into something comparable with
+    ``==``. Raises ``AssertionError`` naming the first snapshot whose resume diverged; returns
+    the uninterrupted run's batches per epoch for further checks.
     """
     snapshots: list[Snapshot] = []
     full = run_epochs(make_loader(), range(epochs), key, snapshots)
-    assert sum(map(len, full)) == len(snapshots) > 0
+    if not snapshots or sum(map(len, full)) != len(snapshots):
+        raise AssertionError(f"the loader delivered {sum(map(len, full))} batches in {epochs} "
+                             f"epochs and {len(snapshots)} states: nothing to check")
     for snap in snapshots:
         resumed = make_loader()
         resumed.load_state_dict(checkpoint_roundtrip(snap.state))
         next_epoch = snap.epoch + 1 if snap.last_of_epoch else snap.epoch
         got = [b for e in run_epochs(resumed, range(next_epoch, epochs), key) for b in e]
         expected = full[snap.epoch][snap.batch:] + [b for e in full[snap.epoch + 1:] for b in e]
-        assert got == expected, (
-            f"resume after batch {snap.batch} of epoch {snap.epoch} diverged:\n"
-            f"  got      {got[:4]}...\n  expected {expected[:4]}..."
-        )
+        if got != expected:
+            raise AssertionError(
+                f"resume after batch {snap.batch} of epoch {snap.epoch} diverged:\n"
+                f"  got      {got[:4]}...\n  expected {expected[:4]}...")
     return full
