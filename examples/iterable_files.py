@@ -131,5 +131,6 @@ def main() -> int:
     return 0 if report([ids for _, ids in full], [ids for _, ids in before],
                        [ids for _, ids in after]) else 1
 
+
 if __name__ == "__main__":
     sys.exit(main())

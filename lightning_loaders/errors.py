@@ -1,8 +1,10 @@
 """What the loaders raise when user code or a worker process fails.
 
-Every error names where it happened (worker id and pid, rank, epoch, batch, sample), and keeps
-those as attributes, so a failure inside a worker process reads like one in the main process.
-They survive pickling (a worker sends them to the main process) with their attributes.
+Every error is a ``LoaderError``. Each names where it happened (worker id and pid, rank, epoch,
+batch, sample), and keeps those as attributes, so a failure inside a worker process reads like
+one in the main process. They survive pickling (a worker sends them to the main process) with
+their attributes. Wrong arguments raise ``ValueError``/``TypeError`` at construction, as in
+``DataLoader``.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from __future__ import annotations
 import signal
 
 __all__ = [
+    "LoaderError",
     "SampleFetchError",
+    "StateMismatchError",
     "WorkerCrashedError",
     "WorkerInitError",
     "WorkerTimeoutError",
@@ -19,7 +23,18 @@ __all__ = [
 ]
 
 
-class SampleFetchError(RuntimeError):
+class LoaderError(Exception):
+    """Base of the errors a loader raises while loading or restoring (catch this to handle
+    them all)."""
+
+
+class StateMismatchError(LoaderError, ValueError):
+    """A ``state_dict`` that cannot be restored into this loader: saved for another dataset or
+    configuration (each differing field is named with both values), of an unknown version, or
+    corrupted. A ``ValueError`` too, as a bad argument to ``load_state_dict`` is one."""
+
+
+class SampleFetchError(LoaderError, RuntimeError):
     """User code (``__getitem__``, ``__getitems__``, a transform or ``collate_fn``) raised.
 
     The message names the sample and where it was fetched; the original exception is the
@@ -50,7 +65,7 @@ class SampleFetchError(RuntimeError):
         self.worker_traceback = worker_traceback
 
 
-class WorkerInitError(RuntimeError):
+class WorkerInitError(LoaderError, RuntimeError):
     """``worker_init_fn`` raised in a worker process; the cause is the original exception.
 
     Attributes: ``worker``, ``pid``, ``rank``, ``cause_type``, ``worker_traceback`` (as in
@@ -66,7 +81,7 @@ class WorkerInitError(RuntimeError):
         self.worker_traceback = worker_traceback
 
 
-class WorkerCrashedError(RuntimeError):
+class WorkerCrashedError(LoaderError, RuntimeError):
     """A worker process died (killed by a signal, or exited) and was not, or no longer,
     recovered.
 
@@ -88,7 +103,7 @@ class WorkerCrashedError(RuntimeError):
         self.restarts = restarts
 
 
-class WorkerTimeoutError(RuntimeError):
+class WorkerTimeoutError(LoaderError, RuntimeError):
     """No batch arrived within ``timeout`` seconds; names the worker whose batch is due.
 
     Attributes: ``worker``, ``pid``, ``timeout``, ``epoch``, ``batch`` (the batch waited for),

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from lightning_loaders.errors import StateMismatchError
+
 __all__ = ["STATE_VERSION", "LoaderState"]
 
 STATE_VERSION = 1
@@ -53,32 +55,37 @@ class LoaderState:
     def from_dict(cls, state: Mapping[str, Any], expected: Mapping[str, Any]) -> LoaderState:
         """Parse ``state`` and check its fingerprint against ``expected`` (this loader's)."""
         if not isinstance(state, Mapping):
-            raise ValueError(f"a loader state must be a dict, got {type(state).__name__}")
+            raise StateMismatchError(f"a loader state must be a dict, got {type(state).__name__}")
         if state.get(VERSION) != STATE_VERSION:
-            raise ValueError(f"unsupported state version: saved {state.get(VERSION)!r}, this "
-                             f"loader reads version {STATE_VERSION}")
+            raise StateMismatchError(
+                f"unsupported state version: saved {state.get(VERSION)!r}, this "
+                f"loader reads version {STATE_VERSION}")
         names = [f.name for f in fields(cls)]
         missing = [n for n in names[:3] if n not in state]
         unknown = sorted(set(state) - set(names) - {VERSION})
         if missing or unknown:
-            raise ValueError(f"corrupted loader state: missing keys {missing}, unknown keys "
-                             f"{unknown}")
+            raise StateMismatchError(
+                f"corrupted loader state: missing keys {missing}, unknown keys {unknown}")
         for name in ("epoch", "batches", "world_size", "offset_position", "offset_batches"):
             value = state.get(name, 0)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"corrupted loader state: {name}={value!r} is not an int >= 0")
+                raise StateMismatchError(
+                    f"corrupted loader state: {name}={value!r} is not an int >= 0")
         trainer_epoch = state.get("trainer_epoch")
         if trainer_epoch is not None and (not isinstance(trainer_epoch, int) or trainer_epoch < 0):
-            raise ValueError(f"corrupted loader state: trainer_epoch={trainer_epoch!r} is not an "
-                             "int >= 0 or None")
+            raise StateMismatchError(
+                f"corrupted loader state: trainer_epoch={trainer_epoch!r} is not an "
+                "int >= 0 or None")
         if state["world_size"] < 1:
-            raise ValueError("corrupted loader state: world_size must be >= 1")
+            raise StateMismatchError("corrupted loader state: world_size must be >= 1")
         if state.get("offset_batches", 0) > state["batches"]:
-            raise ValueError(f"corrupted loader state: offset_batches={state['offset_batches']} "
-                             f"exceeds batches={state['batches']}")
+            raise StateMismatchError(
+                f"corrupted loader state: offset_batches={state['offset_batches']} "
+                f"exceeds batches={state['batches']}")
         for name in (FINGERPRINT, "extra"):
             if not isinstance(state.get(name, {}), Mapping):
-                raise ValueError(f"corrupted loader state: {name}={state[name]!r} is not a dict")
+                raise StateMismatchError(
+                    f"corrupted loader state: {name}={state[name]!r} is not a dict")
         saved = dict(state.get(FINGERPRINT, {}))
         mismatches = [
             f"{key}: saved {saved.get(key)!r}, this loader {expected.get(key)!r}"
@@ -86,6 +93,6 @@ class LoaderState:
             if saved.get(key) != expected.get(key)
         ]
         if mismatches:
-            raise ValueError("state_dict does not belong to this loader's dataset and "
+            raise StateMismatchError("state_dict does not belong to this loader's dataset and "
                              "configuration:\n  " + "\n  ".join(mismatches))
         return cls(**{n: state[n] for n in names if n in state})

@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from lightning_loaders import ResumableLoader, sample_context
-from lightning_loaders.errors import SampleFetchError, WorkerInitError
+from lightning_loaders.errors import (
+    LoaderError,
+    SampleFetchError,
+    WorkerCrashedError,
+    WorkerInitError,
+    WorkerTimeoutError,
+)
 from lightning_loaders.orders.base import ShuffledOrder
 from lightning_loaders.testing import Snapshot, check_resume_at_every_step, run_epochs
 from tests.conftest import IndexDataset
@@ -70,6 +76,12 @@ def test_a_failing_sample_is_named_with_index_position_epoch_worker_rank_and_cau
         next(iterator)
     assert (again.value.index, again.value.batch) == (bad, 1)
     loader.close()
+
+
+@pytest.mark.parametrize("error", [SampleFetchError, WorkerInitError, WorkerCrashedError,
+                                   WorkerTimeoutError])
+def test_every_error_is_a_loader_error_and_a_runtime_error(error: type) -> None:
+    assert issubclass(error, LoaderError) and issubclass(error, RuntimeError)
 
 
 def test_errors_survive_pickling_with_their_attributes() -> None:

@@ -1,5 +1,6 @@
 import pytest
 
+from lightning_loaders.errors import LoaderError, StateMismatchError
 from lightning_loaders.state import STATE_VERSION, LoaderState
 
 FP = {"dataset_len": 10, "seed": 1, "batch_size": 2, "last_batch": "keep", "order": "shuffled"}
@@ -15,7 +16,7 @@ def test_round_trip_is_a_plain_dict() -> None:
 def test_mismatch_names_every_field_with_both_values() -> None:
     state = LoaderState(0, 1, 1, fingerprint=FP).to_dict()
     other = {**FP, "dataset_len": 11, "seed": 2}
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(StateMismatchError) as info:
         LoaderState.from_dict(state, other)
     message = str(info.value)
     assert "dataset_len: saved 10, this loader 11" in message
@@ -36,5 +37,12 @@ def test_mismatch_names_every_field_with_both_values() -> None:
     ],
 )
 def test_corrupted_states_are_refused(bad) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(StateMismatchError):
         LoaderState.from_dict(bad, {})
+
+
+def test_a_state_mismatch_is_a_loader_error_and_a_value_error() -> None:
+    """One base catches every loader error; ``ValueError`` keeps ``load_state_dict`` callers
+    that catch a bad argument working."""
+    assert issubclass(StateMismatchError, LoaderError)
+    assert issubclass(StateMismatchError, ValueError)

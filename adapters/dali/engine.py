@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 __all__ = [
     "Engine",
@@ -24,7 +23,6 @@ __all__ = [
     "call_pipeline",
     "check_pipeline",
     "frozen_heap",
-    "gather_entries",
     "import_dali",
     "shutdown_pipeline",
 ]
@@ -46,7 +44,6 @@ def import_dali() -> tuple[Any, Any]:
 class Placement(NamedTuple):
     """Where a pipeline was built for: rank, world size and CUDA device (``None``: CPU)."""
 
-
     rank: int
     world_size: int
     device_id: int | None
@@ -54,7 +51,6 @@ class Placement(NamedTuple):
 
 class Entry:
     """One rank's saved pipeline: DALI checkpoint, the cursor it stands at, iteration, seed."""
-
 
     def __init__(self, raw: Mapping[str, Any]) -> None:
         self.checkpoint: str = raw["checkpoint"]
@@ -66,11 +62,9 @@ class Entry:
 class Restore:
     """What ``load_state_dict`` brought for the pipeline: the saved world size and entries."""
 
-
     def __init__(self, world_size: int, entries: Sequence[Mapping[str, Any] | None] | None):
         self.world_size = world_size
         self.entries = list(entries or [])
-
 
     def entry(self, placement: Placement) -> Entry | None:
         if placement.world_size != self.world_size or len(self.entries) != self.world_size:
@@ -82,7 +76,6 @@ class Restore:
 class Engine:
     """A built pipeline and its DALI iterator; ``at`` is the cursor of the next batch."""
 
-
     def __init__(self, pipe: Any, iterator: Any, placement: Placement, at: tuple[int, int],
                  iteration: int, seed: int, reader: bool) -> None:
         self.pipe, self.iterator, self.placement = pipe, iterator, placement
@@ -91,12 +84,10 @@ class Engine:
         self.order_version = 0
         self._pid = os.getpid()
 
-
     def next(self) -> dict[str, torch.Tensor]:
         batch: dict[str, torch.Tensor] = next(self.iterator)[0]
         self.iteration += 1
         return batch
-
 
     def advance(self, last: bool) -> None:
         """Move ``at`` past the batch just read; at an epoch's end, reset DALI's reader now, so
@@ -109,11 +100,9 @@ class Engine:
         if self.reader:
             self.iterator.reset()
 
-
     def entry(self) -> dict[str, Any]:
         return {"checkpoint": self.iterator.checkpoints()[0], "epoch": self.at[0],
                 "batches": self.at[1], "iteration": self.iteration, "seed": self.seed}
-
 
     def close(self) -> None:
         if os.getpid() != self._pid:
@@ -125,10 +114,8 @@ class Engine:
 class EngineBox:
     """Holds the loader's engine so a finalizer can shut it down without holding the loader."""
 
-
     def __init__(self) -> None:
         self.engine: Engine | None = None
-
 
     def close(self) -> None:
         engine, self.engine = self.engine, None
@@ -174,7 +161,6 @@ def shutdown_pipeline(pipe: Any) -> None:
 def frozen_heap() -> Iterator[None]:
     """Keep every existing object out of garbage collection while worker processes fork.
 
-
     A forked worker inherits the parent's uncollected garbage, for example an old loader that a
     finished ``Trainer`` still holds in a reference cycle. Were the worker's collector to
     finalize a DALI pipeline in it, the worker would die or hang mid-batch. Frozen objects are
@@ -188,15 +174,3 @@ def frozen_heap() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
-
-
-def gather_entries(entry: dict[str, Any] | None, rank: int, world_size: int) -> list[Any]:
-    """Every rank's entry, in rank order (only this rank's without a process group)."""
-    if world_size > 1 and dist.is_available() and dist.is_initialized() \
-            and dist.get_world_size() == world_size:
-        entries: list[Any] = [None] * world_size
-        dist.all_gather_object(entries, entry)
-        return entries
-    entries = [None] * world_size
-    entries[rank] = entry
-    return entries

@@ -38,11 +38,11 @@ from lightning_loaders.adapters.dali.engine import (
     call_pipeline,
     check_pipeline,
     frozen_heap,
-    gather_entries,
     import_dali,
     shutdown_pipeline,
 )
 from lightning_loaders.adapters.dali.source import FileSamples, PlannedSource, batch_sizes
+from lightning_loaders.collectives import gather_by_rank
 from lightning_loaders.hashing import seed32
 from lightning_loaders.loaders.base import DeliveringIterator, EpochSampler
 from lightning_loaders.orders.base import SampleOrder, SequentialOrder, ShuffledOrder
@@ -236,7 +236,7 @@ class DALILoader:
         if self._restore is None:
             rank, world_size = self.schedule.placement
             engine = self._engine.engine
-            entries = gather_entries(engine.entry() if engine else None, rank, world_size)
+            entries = gather_by_rank(engine.entry() if engine else None, rank, world_size)
             state["extra"] = {**state.get("extra", {}), _STATE_KEY: entries}
         return state
 

@@ -57,10 +57,10 @@ def require_ffcv() -> ModuleType:
     """Import ``ffcv`` (and the parts this package uses), or fail with the install hint."""
     try:
         import ffcv
-        import ffcv.fields
-        import ffcv.loader
-        import ffcv.transforms
-        import ffcv.types
+        import ffcv.fields  # noqa: F401 (imported to check it loads)
+        import ffcv.loader  # noqa: F401 (imported to check it loads)
+        import ffcv.transforms  # noqa: F401 (imported to check it loads)
+        import ffcv.types  # noqa: F401 (imported to check it loads)
     except (ImportError, OSError) as exc:
         raise ImportError(f"{FFCV_INSTALL_HINT}. (import failed: {exc})") from exc
     return ffcv

@@ -24,6 +24,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 from lightning_loaders.engines.faults import Failed, OnError, Skipped, SkippedSample
 from lightning_loaders.engines.fetch import BatchFetcher
 from lightning_loaders.engines.workers import WorkerLost, WorkerStalled, shutdown
+from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.loaders.base import SizedEpochSampler, WorkerLoader, check_current
 from lightning_loaders.loaders.prefetch import batches_held
 from lightning_loaders.orders.base import SampleOrder, SequentialOrder, ShuffledOrder
@@ -397,7 +398,7 @@ def _saved_skip_count(state_dict: Any) -> int:
         return 0
     count = extra.get(_SKIPPED, 0)
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-        raise ValueError(f"corrupted loader state: extra.{_SKIPPED}={count!r} is not an int "
-                         ">= 0")
+        raise StateMismatchError(
+            f"corrupted loader state: extra.{_SKIPPED}={count!r} is not an int >= 0")
     return count
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from lightning_loaders.collectives import all_gather
 from lightning_loaders.hashing import mix64
 from lightning_loaders.orders.random import check_weights, digest, weighted_draws
 
@@ -110,7 +110,7 @@ class DynamicWeightedSampler(Sampler[int]):
         if index.size and (index.min() < -n or index.max() >= n):
             raise IndexError(f"indices must lie in [0, {n}), got {index.min()}..{index.max()}")
         new = self._weights.copy()
-        for rank_index, rank_value in _gather((index, value)):
+        for rank_index, rank_value in all_gather((index, value)):
             new[rank_index] = rank_value
         self._use(check_weights(new))
 
@@ -143,23 +143,8 @@ class DynamicWeightedSampler(Sampler[int]):
             yield int(self.indices(epoch, np.array([position]))[0])
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _gather(update: tuple[np.ndarray, np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
-    if not _distributed():
-        return [update]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, update)
-    return gathered
-
-
 def _check_same_on_every_rank(weights: np.ndarray) -> None:
-    if not _distributed():
-        return
-    digests: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest(weights))
+    digests = all_gather(digest(weights))
     if len(set(digests)) > 1:
         raise ValueError(
             f"set_weights got different weights on different ranks (digests by rank: {digests}); "

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.orders.base import SampleOrder
 from lightning_loaders.placement import resolve_rank_world
 from lightning_loaders.schedule.map_plan import (
@@ -223,14 +224,16 @@ class MapSchedule:
         try:
             plan = self.plan_for(state.epoch, state.world_size, state.offset_position)
         except ValueError as exc:
-            raise ValueError(f"corrupted loader state: epoch {state.epoch} from position "
-                             f"{state.offset_position} on world size {state.world_size} has no "
-                             f"plan ({exc})") from exc
+            raise StateMismatchError(
+                f"corrupted loader state: epoch {state.epoch} from position "
+                f"{state.offset_position} on world size {state.world_size} has no plan ({exc})"
+            ) from exc
         if state.batches - state.offset_batches > plan.num_batches:
-            raise ValueError(f"corrupted loader state: batches={state.batches} is past the end "
-                             f"of epoch {state.epoch}, which has "
-                             f"{state.offset_batches + plan.num_batches} batches on world size "
-                             f"{state.world_size}")
+            raise StateMismatchError(
+                f"corrupted loader state: batches={state.batches} is past the end "
+                f"of epoch {state.epoch}, which has "
+                f"{state.offset_batches + plan.num_batches} batches on world size "
+                f"{state.world_size}")
 
     def _order_state(self) -> dict[str, Any]:
         """The order's own state (a drawn sampler's, re-weighted weights), if it has one."""

@@ -1,0 +1,51 @@
+"""The few collectives the loaders use, each a no-op without an initialised process group.
+
+Every rank must call a collective at the same point (as Lightning does when it checkpoints or
+reaches the same step); without a process group they answer for this process alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["agree_min", "all_gather", "gather_by_rank", "group_size"]
+
+
+def group_size() -> int:
+    """The world size of the initialised default process group, else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    return 1
+
+
+def all_gather(value: Any) -> list[Any]:
+    """Every rank's ``value`` in rank order (``[value]`` without a process group)."""
+    size = group_size()
+    if size == 1:
+        return [value]
+    gathered: list[Any] = [None] * size
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def gather_by_rank(value: Any, rank: int, world_size: int) -> list[Any]:
+    """Every rank's ``value`` in rank order; without a process group of ``world_size`` ranks,
+    only this rank's (the others ``None``)."""
+    if world_size > 1 and group_size() == world_size:
+        return all_gather(value)
+    out: list[Any] = [None] * world_size
+    out[rank] = value
+    return out
+
+
+def agree_min(value: int) -> int:
+    """The minimum of ``value`` over all ranks (one small ``all_reduce``)."""
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
