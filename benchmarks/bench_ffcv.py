@@ -109,7 +109,7 @@ def measure(beton: str, repeats: int, settings: Settings, label: str) -> dict[st
 
 def run(settings: Settings, samples: int | None = None, side: int | None = None) -> Report:
     """The benchmark suite entry point (``benchmarks.run_all``)."""
-    from lightning_loaders.adapters.ffcv.beton import write_beton
+    from lightning_loaders.adapters.ffcv import write_beton
 
     samples = samples or settings.pick(8192, 32768)
     side = side or settings.pick(32, 64)

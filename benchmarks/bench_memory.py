@@ -97,7 +97,7 @@ def measure_case(case: str, n: int) -> dict[str, float]:
     start and at the end of the epoch."""
     import psutil
 
-    from lightning_loaders.sources.packed import pack
+    from lightning_loaders import pack
 
     loader_name, storage = CASES[case]
     dataset: Dataset[dict[str, Any]] = _NoMetadata(n)

@@ -63,7 +63,7 @@ def _ours_state(batches: int) -> dict[str, Any]:
 
 
 def _ours_latency(state: dict[str, Any]) -> float:
-    from lightning_loaders import ShuffledOrder
+    from lightning_loaders.orders.base import ShuffledOrder
 
     loader = _ours(N_OURS)
     start = time.perf_counter()

@@ -33,7 +33,8 @@ TORCH_KIND = "RandomSampler"
 
 def _ours(n: int) -> Iterator[Any]:
     """Batch requests of epoch after epoch, as the loader asks for them."""
-    from lightning_loaders import MapSchedule, ShuffledOrder
+    from lightning_loaders.orders.base import ShuffledOrder
+    from lightning_loaders.schedule.map_schedule import MapSchedule
 
     schedule = MapSchedule(ShuffledOrder(n, 0), BATCH_SIZE, "keep", 0, rank=0, world_size=1)
     while True:

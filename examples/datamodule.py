@@ -23,8 +23,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_loaders.lightning.datamodule import ResumableDataModule
-from lightning_loaders.orders.dynamic_weighted import DynamicWeightedSampler
+from lightning_loaders import DynamicWeightedSampler, ResumableDataModule
 
 from _crash_resume import crash_and_resume, quiet, report, train
 

@@ -27,8 +27,7 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_loaders.adapters.ffcv import FFCVLoader
-from lightning_loaders.adapters.ffcv.beton import write_beton
+from lightning_loaders.adapters.ffcv import FFCVLoader, write_beton
 
 CLASSES = 3
 

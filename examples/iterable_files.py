@@ -30,8 +30,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_loaders import ResumableLoader
-from lightning_loaders.sources.shards import RecordFiles, write_records
+from lightning_loaders import RecordFiles, ResumableLoader, write_records
 
 from _crash_resume import crash_and_resume, quiet, report, train
 

@@ -1,7 +1,11 @@
 """Deterministic, distributed, exactly resumable data loading for PyTorch Lightning.
 
-Names that need Lightning itself (the data module, the monitor, the prediction-index hook) are
-imported on first use, so ``import lightning_loaders`` stays light.
+The top level holds what users construct and catch: the loaders, ``make_resumable``, the data
+module and monitor, the per-sample context and RNG, the sources, and the errors. Internals
+(orders, plans, schedules, engines) stay importable from their subpackages; see the README's
+migration note for the names that moved. Names that need Lightning itself (the data module, the
+monitor, the prediction-index hook) are imported on first use, so ``import lightning_loaders``
+stays light.
 """
 
 from importlib import import_module
@@ -16,7 +20,9 @@ from lightning_loaders.context import (
 )
 from lightning_loaders.engines.faults import SkippedSample
 from lightning_loaders.errors import (
+    LoaderError,
     SampleFetchError,
+    StateMismatchError,
     WorkerCrashedError,
     WorkerInitError,
     WorkerTimeoutError,
@@ -24,19 +30,10 @@ from lightning_loaders.errors import (
 from lightning_loaders.loaders.convert import make_resumable
 from lightning_loaders.loaders.iterable import ResumableIterableLoader
 from lightning_loaders.loaders.map_style import ResumableLoader
-from lightning_loaders.orders.base import SampleOrder, SequentialOrder, ShuffledOrder
-from lightning_loaders.orders.drawn import DrawnBatchOrder, DrawnOrder
+from lightning_loaders.orders.base import SampleOrder
 from lightning_loaders.orders.dynamic_weighted import DynamicWeightedSampler
-from lightning_loaders.orders.permutation import KeyedPermutation
-from lightning_loaders.orders.random import (
-    RepeatedShuffleOrder,
-    ReplacementOrder,
-    SubsetOrder,
-    WeightedOrder,
-)
-from lightning_loaders.schedule.map_plan import EpochPlan, LastBatch
-from lightning_loaders.schedule.map_schedule import MapSchedule
-from lightning_loaders.sources.packed import PackedObjects, PackedRecords, PackedStrings, pack
+from lightning_loaders.schedule.map_plan import LastBatch
+from lightning_loaders.sources.packed import pack
 from lightning_loaders.sources.shards import (
     GeneratorSource,
     LineFiles,
@@ -72,21 +69,12 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "DataStallMonitor",
     "DataStallWarning",
-    "DrawnBatchOrder",
-    "DrawnOrder",
     "DynamicWeightedSampler",
-    "EpochPlan",
     "GeneratorSource",
-    "KeyedPermutation",
     "LastBatch",
     "LineFiles",
-    "MapSchedule",
-    "PackedObjects",
-    "PackedRecords",
-    "PackedStrings",
+    "LoaderError",
     "RecordFiles",
-    "RepeatedShuffleOrder",
-    "ReplacementOrder",
     "ResumableDataModule",
     "ResumableIterableLoader",
     "ResumableLoader",
@@ -94,12 +82,9 @@ __all__ = [
     "SampleFetchError",
     "SampleOrder",
     "SequenceSource",
-    "SequentialOrder",
     "ShardedSource",
-    "ShuffledOrder",
     "SkippedSample",
-    "SubsetOrder",
-    "WeightedOrder",
+    "StateMismatchError",
     "WorkerCrashedError",
     "WorkerInfo",
     "WorkerInitError",

@@ -3,7 +3,7 @@
 import inspect
 
 import lightning_loaders
-from lightning_loaders.adapters import beton, dali, ffcv
+from lightning_loaders.adapters import dali, ffcv
 
 
 def _summary(obj: object) -> str:
@@ -15,8 +15,8 @@ def main() -> None:
     print("| name | what it is |\n|---|---|")
     for name in lightning_loaders.__all__:
         print(f"| `{name}` | {_summary(getattr(lightning_loaders, name))} |")
-    for module, names in ((dali, ["DALILoader"]), (ffcv, ["FFCVLoader"]),
-                          (beton, ["write_beton"])):
+    for module, names in ((dali, ["DALILoader", "FileSamples"]),
+                          (ffcv, ["FFCVLoader", "write_beton"])):
         for name in names:
             print(f"| `{module.__name__}.{name}` | {_summary(getattr(module, name))} |")
 

@@ -5,8 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_loaders import KeyedPermutation, ShuffledOrder
 from lightning_loaders.hashing import mix64
+from lightning_loaders.orders.base import ShuffledOrder
+from lightning_loaders.orders.permutation import KeyedPermutation
 
 
 @settings(max_examples=200, deadline=None)

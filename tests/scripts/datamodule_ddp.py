@@ -33,8 +33,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from lightning_loaders.lightning.datamodule import ResumableDataModule
-from lightning_loaders.orders.dynamic_weighted import DynamicWeightedSampler
+from lightning_loaders import DynamicWeightedSampler, ResumableDataModule
 from tests.conftest import IndexDataset
 
 SEED = 7
