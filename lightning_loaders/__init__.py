@@ -29,11 +29,13 @@ from lightning_loaders.errors import (
 )
 from lightning_loaders.loaders.convert import make_resumable
 from lightning_loaders.loaders.iterable import ResumableIterableLoader
-from lightning_loaders.loaders.map_style import ResumableLoader
+from lightning_loaders.loaders.resumable import ResumableLoader
 from lightning_loaders.orders.base import SampleOrder
 from lightning_loaders.orders.dynamic_weighted import DynamicWeightedSampler
 from lightning_loaders.schedule.map_plan import LastBatch
+from lightning_loaders.sources.hf import HFSource
 from lightning_loaders.sources.packed import pack
+from lightning_loaders.sources.parquet import ArrowSource, ParquetSource
 from lightning_loaders.sources.shards import (
     GeneratorSource,
     LineFiles,
@@ -43,13 +45,15 @@ from lightning_loaders.sources.shards import (
     count_records,
     write_records,
 )
+from lightning_loaders.sources.tables import TableDataset
+from lightning_loaders.sources.webdataset import WebDatasetSource
 
 if TYPE_CHECKING:
     from lightning_loaders.lightning.batch_indices import batch_indices, expose_batch_indices
     from lightning_loaders.lightning.datamodule import ResumableDataModule
     from lightning_loaders.lightning.monitor import DataStallMonitor, DataStallWarning
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _LAZY = {
     "DataStallMonitor": "lightning_loaders.lightning.monitor",
@@ -67,13 +71,16 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "ArrowSource",
     "DataStallMonitor",
     "DataStallWarning",
     "DynamicWeightedSampler",
     "GeneratorSource",
+    "HFSource",
     "LastBatch",
     "LineFiles",
     "LoaderError",
+    "ParquetSource",
     "RecordFiles",
     "ResumableDataModule",
     "ResumableIterableLoader",
@@ -85,6 +92,8 @@ __all__ = [
     "ShardedSource",
     "SkippedSample",
     "StateMismatchError",
+    "TableDataset",
+    "WebDatasetSource",
     "WorkerCrashedError",
     "WorkerInfo",
     "WorkerInitError",

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree_min", "all_gather", "gather_by_rank", "group_size"]
+__all__ = ["agree_min", "agree_same", "all_gather", "gather_by_rank", "group_size"]
 
 
 def group_size() -> int:
@@ -43,9 +43,20 @@ def gather_by_rank(value: Any, rank: int, world_size: int) -> list[Any]:
 
 def agree_min(value: int) -> int:
     """The minimum of ``value`` over all ranks (one small ``all_reduce``)."""
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    tensor = torch.tensor([value], dtype=torch.int64, device=_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
     return int(tensor.item())
+
+
+def agree_same(value: int) -> bool:
+    """Whether ``value`` is the same on every rank (one small ``all_reduce``)."""
+    tensor = torch.tensor([value, -value], dtype=torch.int64, device=_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor[0].item()) == -int(tensor[1].item())
+
+
+def _device() -> torch.device:
+    """Where a reduced tensor must live: NCCL reduces on the GPU only."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

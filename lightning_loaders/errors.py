@@ -9,7 +9,10 @@ their attributes. Wrong arguments raise ``ValueError``/``TypeError`` at construc
 
 from __future__ import annotations
 
+import os
 import signal
+
+from torch.utils.data import get_worker_info
 
 __all__ = [
     "LoaderError",
@@ -19,6 +22,7 @@ __all__ = [
     "WorkerInitError",
     "WorkerTimeoutError",
     "describe_exit",
+    "fetch_error",
     "signal_name",
 ]
 
@@ -116,6 +120,24 @@ class WorkerTimeoutError(LoaderError, RuntimeError):
         super().__init__(message)
         self.worker, self.pid, self.timeout = worker, pid, timeout
         self.epoch, self.batch, self.rank = epoch, batch, rank
+
+
+def fetch_error(exc: BaseException, what: str, *, epoch: int, batch: int, rank: int,
+                index: int | None = None, position: int | None = None,
+                where: str | None = None) -> SampleFetchError:
+    """The ``SampleFetchError`` for ``exc``, raised by user code while fetching ``what`` (for
+    example ``"sample index 3 (epoch position 7, batch 1)"``): the one message every engine
+    gives, naming the epoch, the process (torch's worker id and pid, or ``where``) and the rank.
+    Raise it chained: ``raise fetch_error(...) from exc``."""
+    info = get_worker_info()
+    worker = info.id if info is not None else None
+    pid = os.getpid()
+    if where is None:
+        where = f"worker {worker} (pid {pid})" if info is not None else "the main process"
+    return SampleFetchError(
+        f"{type(exc).__name__} in {what} of epoch {epoch}, in {where} on rank {rank}: {exc}",
+        index=index, position=position, epoch=epoch, batch=batch, rank=rank, worker=worker,
+        pid=pid, cause_type=type(exc).__name__)
 
 
 def signal_name(exitcode: int | None) -> str | None:

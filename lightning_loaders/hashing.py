@@ -6,6 +6,9 @@ hashed here, so results never depend on global RNG state, worker count or call o
 
 from __future__ import annotations
 
+import hashlib
+from typing import Any
+
 import numpy as np
 
 _MASK64 = (1 << 64) - 1
@@ -49,3 +52,14 @@ def mix64_array(key: int, values: np.ndarray) -> np.ndarray:
 def seed32(*values: int) -> int:
     """A 32-bit seed for APIs that take one (``random.seed``, ``np.random.seed``)."""
     return mix64(*values) & 0xFFFFFFFF
+
+
+def digest(value: Any) -> str:
+    """A short content hash (16 hex digits) for fingerprints: a numpy array by its bytes and
+    dtype, anything else by its ``repr`` (lists of names, lengths, configurations)."""
+    if isinstance(value, np.ndarray):
+        data = np.ascontiguousarray(value)
+        payload = data.tobytes() + str(data.dtype).encode()
+    else:
+        payload = repr(value).encode()
+    return hashlib.blake2b(payload, digest_size=8).hexdigest()

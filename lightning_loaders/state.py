@@ -1,22 +1,41 @@
 """The loader's state: a small, versioned, plain dict (safe for ``torch.save`` and checkpoints).
 
-Its size is O(1) in dataset length and in worker count. Restoring into a loader whose dataset or
-configuration differs is refused with every mismatched field and both values named.
+Version 2 is ``{"version", "kind", <the cursor's fields>, "fingerprint", "parts"}``: ``kind``
+says which schedule saved it (``"map"`` or ``"iterable"``), the cursor is the schedule's own
+position, and every other component (an order's or a dataset's own state, skipped samples, the
+slots of an iterable dataset, DALI checkpoints) nests its state under its name in ``parts``,
+through the ``Stateful`` protocol. Its size is O(1) in dataset length and in worker count.
+Restoring a state of another kind, dataset or configuration is refused with every mismatched
+field and both values named.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from lightning_loaders.errors import StateMismatchError
 
-__all__ = ["STATE_VERSION", "LoaderState"]
+__all__ = ["STATE_VERSION", "LoaderState", "Stateful"]
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 VERSION = "version"
 FINGERPRINT = "fingerprint"
+PARTS = "parts"
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """torchdata's ``Stateful`` protocol: an object that saves and restores its own state.
+
+    A dataset, sampler or order with both methods has its state saved in the loader's
+    (under ``parts``) and given back on resume.
+    """
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -24,6 +43,8 @@ class LoaderState:
     """The cursor and what it is only valid for.
 
     Attributes:
+        kind: the schedule that saved it: ``"map"`` (map-style data, also under the DALI and
+            FFCV adapters) or ``"iterable"``; a state of the other kind is refused.
         epoch: the epoch the cursor is in.
         batches: batches delivered to the caller in ``epoch`` (as the trainer counts them).
         world_size: the world size the cursor was counted under.
@@ -33,9 +54,11 @@ class LoaderState:
         trainer_epoch: the trainer's epoch (its last ``set_epoch``) when ``epoch`` began; a
             later trainer epoch on restore means the trainer has moved on from this epoch.
         fingerprint: dataset length, seed, batch size, last-batch policy and order; must match.
-        extra: component-specific state (for example a sampler's own ``state_dict``).
+        parts: each component's own state under its name (``"order"``, ``"dataset"``,
+            ``"skipped"``, ``"slots"``, ``"dali"``).
     """
 
+    kind: str
     epoch: int
     batches: int
     world_size: int
@@ -43,17 +66,19 @@ class LoaderState:
     offset_batches: int = 0
     trainer_epoch: int | None = None
     fingerprint: Mapping[str, Any] = field(default_factory=dict)
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    parts: Mapping[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         state = asdict(self)
         state[FINGERPRINT] = dict(self.fingerprint)
-        state["extra"] = dict(self.extra)
+        state[PARTS] = dict(self.parts)
         return {VERSION: STATE_VERSION, **state}
 
     @classmethod
-    def from_dict(cls, state: Mapping[str, Any], expected: Mapping[str, Any]) -> LoaderState:
-        """Parse ``state`` and check its fingerprint against ``expected`` (this loader's)."""
+    def from_dict(cls, state: Mapping[str, Any], kind: str,
+                  expected: Mapping[str, Any]) -> LoaderState:
+        """Parse ``state`` and check it was saved by a ``kind`` schedule whose fingerprint is
+        ``expected`` (this loader's)."""
         if not isinstance(state, Mapping):
             raise StateMismatchError(f"a loader state must be a dict, got {type(state).__name__}")
         if state.get(VERSION) != STATE_VERSION:
@@ -61,11 +86,16 @@ class LoaderState:
                 f"unsupported state version: saved {state.get(VERSION)!r}, this "
                 f"loader reads version {STATE_VERSION}")
         names = [f.name for f in fields(cls)]
-        missing = [n for n in names[:3] if n not in state]
+        missing = [n for n in names[:4] if n not in state]
         unknown = sorted(set(state) - set(names) - {VERSION})
         if missing or unknown:
             raise StateMismatchError(
                 f"corrupted loader state: missing keys {missing}, unknown keys {unknown}")
+        if state["kind"] != kind:
+            raise StateMismatchError(
+                f"this state was saved by a loader of kind {state['kind']!r} (its schedule), "
+                f"this loader is of kind {kind!r}: a map-style dataset's cursor cannot place "
+                "an iterable dataset's slots, nor the other way round")
         for name in ("epoch", "batches", "world_size", "offset_position", "offset_batches"):
             value = state.get(name, 0)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -82,7 +112,7 @@ class LoaderState:
             raise StateMismatchError(
                 f"corrupted loader state: offset_batches={state['offset_batches']} "
                 f"exceeds batches={state['batches']}")
-        for name in (FINGERPRINT, "extra"):
+        for name in (FINGERPRINT, PARTS):
             if not isinstance(state.get(name, {}), Mapping):
                 raise StateMismatchError(
                     f"corrupted loader state: {name}={state[name]!r} is not a dict")
@@ -94,5 +124,5 @@ class LoaderState:
         ]
         if mismatches:
             raise StateMismatchError("state_dict does not belong to this loader's dataset and "
-                             "configuration:\n  " + "\n  ".join(mismatches))
+                                     "configuration:\n  " + "\n  ".join(mismatches))
         return cls(**{n: state[n] for n in names if n in state})

@@ -13,6 +13,7 @@ from lightning_loaders import ResumableLoader, sample_context
 from lightning_loaders.errors import (
     LoaderError,
     SampleFetchError,
+    StateMismatchError,
     WorkerCrashedError,
     WorkerInitError,
     WorkerTimeoutError,
@@ -203,7 +204,7 @@ def test_skip_leaves_out_exactly_the_failing_samples_and_reports_them(dataset, w
         assert loader.skipped_indices == expected_skips
         assert loader.num_skipped == len(expected_skips) == 8
         assert all(s.error.startswith("ValueError: corrupt sample") for s in loader.skipped)
-        assert loader.state_dict()["extra"]["skipped"] == 8
+        assert loader.state_dict()["parts"]["skipped"] == 8
     for epoch in batches:
         assert sorted(i for b in epoch for i in b) == [i for i in range(n) if not _bad(i)]
         assert len(epoch) == len(loader) and min(len(b) for b in epoch) < 4
@@ -220,7 +221,7 @@ def test_skipping_is_deterministic_and_a_resume_skips_the_same_samples() -> None
     delivered = [b for e in full for b in e]
     plan = [b for e in run_epochs(_skipping(IndexDataset(30)), range(2), key=indices) for b in e]
     for k, snap in enumerate(snapshots):  # the saved count: the skips before the cursor
-        assert snap.state["extra"]["skipped"] == sum(
+        assert snap.state["parts"]["skipped"] == sum(
             len(planned) - len(got) for planned, got in zip(plan[:k + 1], delivered[:k + 1],
                                                             strict=True))
     resumed = make()
@@ -261,6 +262,6 @@ def test_skip_still_raises_collate_errors() -> None:
 def test_a_corrupted_skip_count_in_a_state_is_refused() -> None:
     loader = _skipping(SomeFail(10))
     state = loader.state_dict()
-    with pytest.raises(ValueError, match=r"extra.skipped=-1"):
-        loader.load_state_dict({**state, "extra": {"skipped": -1}})
+    with pytest.raises(StateMismatchError, match=r"parts\['skipped'\]=-1"):
+        loader.load_state_dict({**state, "parts": {**state["parts"], "skipped": -1}})
     assert loader.num_skipped == 0

@@ -44,12 +44,13 @@ from lightning_loaders.adapters.dali.engine import (
 from lightning_loaders.adapters.dali.source import FileSamples, PlannedSource, batch_sizes
 from lightning_loaders.collectives import gather_by_rank
 from lightning_loaders.hashing import seed32
-from lightning_loaders.loaders.base import DeliveringIterator, EpochSampler
+from lightning_loaders.loaders.delivery import DeliveryCore, EpochSampler
 from lightning_loaders.orders.base import SampleOrder, SequentialOrder, ShuffledOrder
 from lightning_loaders.orders.from_torch import order_from_sampler
 from lightning_loaders.placement import resolve_device, resolve_rank_world
 from lightning_loaders.schedule.map_plan import LastBatch
 from lightning_loaders.schedule.map_schedule import MapSchedule, resolve_seed
+from lightning_loaders.state import PARTS
 
 __all__ = ["INSTALL_HINT", "DALILoader", "FileSamples"]
 
@@ -58,7 +59,7 @@ _POLICIES = ("keep", "drop", "pad")
 _DALI_POLICY = {"keep": "PARTIAL", "drop": "DROP", "pad": "FILL"}
 
 
-class DALILoader:
+class DALILoader(DeliveryCore):
     """Runs a user's DALI pipeline as a deterministic, distributed, resumable loader.
 
     Args:
@@ -170,21 +171,12 @@ class DALILoader:
         self._restore: Restore | None = None
         self._engine = EngineBox()
         self._finalizer = weakref.finalize(self, self._engine.close)
-        self._iter_token = 0
         self.sampler = EpochSampler(weakref.proxy(self))
 
     # -- the DataLoader surface -------------------------------------------------------------
 
-    def __iter__(self) -> Iterator[Any]:
-        """A new iterator. Cheap: the epoch and the pipeline start at its first ``next()``."""
-        self._iter_token += 1
-        return DeliveringIterator(self, self._iter_token)
-
-    def __len__(self) -> int:
-        """Batches per epoch on this rank (equal on every rank)."""
-        return len(self.schedule)
-
     def __repr__(self) -> str:
+        """Says where the loader is without building the pipeline (which sizing would)."""
         mode = f"reader {self.reader_name!r}" if self.reader_name else "external source"
         rank, world_size = resolve_rank_world(*self._explicit_placement)
         epoch = self._schedule.epoch if self._schedule is not None else None
@@ -193,7 +185,7 @@ class DALILoader:
                 f"{'not started' if epoch is None else epoch})")
 
     @property
-    def schedule(self) -> MapSchedule:
+    def schedule(self) -> MapSchedule:  # type: ignore[override]  # built lazily: a property
         """The plan and cursor (in reader mode, sizing it builds the pipeline)."""
         if self._schedule is None:
             engine = self._build(self._placement(), None, None)
@@ -237,12 +229,12 @@ class DALILoader:
             rank, world_size = self.schedule.placement
             engine = self._engine.engine
             entries = gather_by_rank(engine.entry() if engine else None, rank, world_size)
-            state["extra"] = {**state.get("extra", {}), _STATE_KEY: entries}
+            state[PARTS] = {**state[PARTS], _STATE_KEY: entries}
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a cursor; the next ``iter()`` continues exactly after its last batch."""
-        entries = dict(state_dict.get("extra") or {}).get(_STATE_KEY)
+        entries = dict(state_dict.get(PARTS) or {}).get(_STATE_KEY)
         if self._schedule is None:
             self._pending_state = dict(state_dict)
         else:
@@ -251,12 +243,13 @@ class DALILoader:
 
     def close(self) -> None:
         """Shut the pipeline (and its source worker processes) down now; it is rebuilt on
-        demand. Dropping the loader does the same."""
+        demand, at the cursor. Dropping the loader does the same."""
         self._engine.close()
+        super().close()
 
     # -- epochs -----------------------------------------------------------------------------
 
-    def _begin_epoch(self) -> Iterator[Any]:
+    def _open_epoch(self) -> Iterator[Any]:
         """Decide which epoch and batch come next, bring the pipeline there, deliver."""
         schedule = self.schedule
         restore, self._restore = self._restore, None
@@ -268,8 +261,11 @@ class DALILoader:
                 "(dataset=...) for elastic resume"
             )
         schedule.begin_epoch()
-        engine = self._seek(schedule, restore)
-        return self._deliver(engine, schedule)
+        return self._deliver(self._seek(schedule, restore), schedule)
+
+    def _reopen(self) -> Iterator[Any]:
+        schedule = self.schedule
+        return self._deliver(self._seek(schedule, None), schedule)
 
     def _seek(self, schedule: MapSchedule, restore: Restore | None) -> Engine:
         """A pipeline whose next batch is the schedule's next one."""
@@ -293,7 +289,7 @@ class DALILoader:
                                                         and entry.at > engine.at):
                 self._engine.close()
                 engine = self._build(placement, schedule, entry)
-            self._drain(engine, target, len(schedule))
+            self._drain(engine, target, schedule.num_batches())
         self._engine.engine = engine
         return engine
 
@@ -318,6 +314,7 @@ class DALILoader:
             engine.advance(last=schedule.remaining == 1)
             if size is not None and size < self.batch_size:
                 batch = {name: batch[name][:size] for name in names}
+            schedule.delivered()
             yield tuple(batch[name] for name in names) if as_tuple else batch
 
     def _rebuild_at_cursor(self, schedule: MapSchedule) -> Engine:
@@ -414,7 +411,7 @@ class DALILoader:
     def _check_reader(self, engine: Engine, schedule: MapSchedule) -> None:
         """Reader mode: DALI's batch count must be the plan's, and no rank's batch empty."""
         n, shards = engine.reader_meta["epoch_size"], engine.reader_meta["number_of_shards"]
-        planned = len(schedule)
+        planned = schedule.num_batches()
         if len(engine.iterator) != planned:
             raise RuntimeError(f"DALI's iterator has {len(engine.iterator)} batches per epoch, "
                                f"the plan {planned} ({n} samples, {shards} shards, batch_size "

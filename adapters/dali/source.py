@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from lightning_loaders.context import set_sample
-from lightning_loaders.errors import SampleFetchError
+from lightning_loaders.errors import fetch_error
 from lightning_loaders.schedule.map_schedule import MapSchedule
 
 __all__ = [
@@ -79,11 +79,10 @@ class PlannedSource:
         try:
             return self.dataset[index]
         except Exception as exc:
-            raise SampleFetchError(
-                f"{type(exc).__name__} in sample index {index} (epoch position {position}, "
-                f"batch {batch}) of epoch {epoch}, in DALI's external source on rank "
-                f"{self.rank}: {exc}"
-            ) from exc
+            raise fetch_error(exc, f"sample index {index} (epoch position {position}, batch "
+                                   f"{batch})", epoch=epoch, batch=batch, rank=self.rank,
+                              index=index, position=position,
+                              where="DALI's external source") from exc
         finally:
             set_sample(None)
 

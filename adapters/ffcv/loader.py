@@ -31,8 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from lightning_loaders.loaders.base import DeliveringIterator, SizedEpochSampler
-from lightning_loaders.loaders.prefetch import batches_held, find_prefetcher
+from lightning_loaders.loaders.delivery import DeliveryCore, SizedEpochSampler, counted
 from lightning_loaders.orders.base import SampleOrder, SequentialOrder, ShuffledOrder
 from lightning_loaders.placement import resolve_device
 from lightning_loaders.schedule.map_plan import LastBatch
@@ -236,7 +235,7 @@ def _device_pipelines(pipelines: Mapping[str, Any], field_names: Sequence[str],
     return result
 
 
-class FFCVLoader:
+class FFCVLoader(DeliveryCore):
     """An FFCV ``Loader`` whose order is our plan and whose state is a cursor.
 
     Takes ``ffcv.loader.Loader``'s arguments, with these differences:
@@ -271,6 +270,8 @@ class FFCVLoader:
 
     Batches are tuples with one entry per pipeline output, as FFCV gives them.
     """
+
+    schedule: MapSchedule
 
     def __init__(
         self,
@@ -329,8 +330,6 @@ class FFCVLoader:
         self.schedule = MapSchedule(sample_order, batch_size, self.last_batch, self.seed, rank,
                                     world_size)
         self.sampler = SizedEpochSampler(self.schedule)
-        self._iter_token = 0
-        self._prefetcher: Any = None
         self._ffcv_loader: Any = None
         self._traversal: _PlannedTraversal | None = None
         self._epoch_iter: Any = None
@@ -338,25 +337,12 @@ class FFCVLoader:
 
     # -- the loader surface -----------------------------------------------------------------
 
-    def __iter__(self) -> Iterator[tuple[Any, ...]]:
-        """A new iterator. Free: the epoch and the FFCV loader start at its first ``next()``."""
-        self._iter_token += 1
-        self._prefetcher = find_prefetcher()
-        return DeliveringIterator(self, self._iter_token)
-
-    def __len__(self) -> int:
-        """Batches per epoch on this rank (equal on every rank)."""
-        return len(self.schedule)
-
-    def __repr__(self) -> str:
+    def _describe(self) -> list[str]:
         schedule = self.schedule
-        rank, world_size = schedule.placement
-        epoch = "not started" if schedule.epoch is None else schedule.epoch
-        return (f"{type(self).__name__}({self.fname!r}, samples={schedule.dataset_len}, "
-                f"batch_size={self.batch_size}, order={schedule.order.fingerprint}, "
-                f"last_batch={self.last_batch!r}, num_workers={self.num_workers}, "
-                f"rank={rank}/{world_size}, device={self.device}, seed={self.seed}, "
-                f"epoch={epoch}, batches={schedule.batches})")
+        return [repr(self.fname), f"samples={schedule.dataset_len}",
+                f"batch_size={self.batch_size}", f"order={schedule.order.fingerprint}",
+                f"last_batch={self.last_batch!r}", f"num_workers={self.num_workers}",
+                f"device={self.device}"]
 
     @property
     def device(self) -> torch.device:
@@ -365,47 +351,37 @@ class FFCVLoader:
             return self._output_device
         return resolve_device(self._trainer, self._device)
 
-    @property
-    def epoch(self) -> int | None:
-        """The epoch being delivered (``None`` before the first batch)."""
-        return self.schedule.epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Record the trainer's epoch (Lightning calls ``sampler.set_epoch``, which is the
-        same); it takes effect at the next epoch start, as ``MapSchedule`` decides."""
-        self.schedule.set_epoch(epoch)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The cursor as a small plain dict, the same on every rank (batches a prefetching
-        trainer holds are not counted: ``last_batch="rollover"`` has no ``len()``)."""
-        return self.schedule.state_dict(held=batches_held(self._prefetcher))
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a cursor; the next ``iter()`` continues exactly after its last batch."""
-        self.schedule.load_state_dict(state_dict)
-
     def close(self) -> None:
-        """Stop FFCV's epoch thread now (it also stops when the loader is collected)."""
+        """Stop FFCV's epoch thread now (it also stops when the loader is collected); an
+        iterator used afterwards goes on from the cursor."""
+        self._stop_epoch()
+        super().close()
+
+    def _stop_epoch(self) -> None:
         epoch_iter, self._epoch_iter = self._epoch_iter, None
         if epoch_iter is not None:
             _stop(epoch_iter)
 
     def __del__(self) -> None:
         if getattr(self, "_epoch_iter", None) is not None:
-            self.close()
+            self._stop_epoch()
 
     # -- epochs -----------------------------------------------------------------------------
 
-    def _begin_epoch(self) -> Iterator[tuple[Any, ...]]:
-        """Decide where the epoch starts, hand FFCV the rest of its plan, deliver from there."""
-        self.close()
+    def _open_epoch(self) -> Iterator[tuple[Any, ...]]:
+        """Decide where the epoch starts, then deliver from there."""
         self.schedule.begin_epoch()
+        return self._reopen()
+
+    def _reopen(self) -> Iterator[tuple[Any, ...]]:
+        """Hand FFCV the rest of the epoch's plan from the cursor; deliver from there."""
+        self._stop_epoch()
         order, cuts = _ffcv_epoch(list(self.schedule.requests()), self.batch_size)
         ffcv_loader, traversal = self._ffcv()
         traversal.order = order
         ffcv_loader.first_traversal_order = order  # FFCV's len() truncates the order by it
         self._epoch_iter = iter(ffcv_loader)
-        return _deliver(self._epoch_iter, cuts, self.copy)
+        return counted(_deliver(self._epoch_iter, cuts, self.copy), self.schedule)
 
     def _ffcv(self) -> tuple[Any, _PlannedTraversal]:
         """The FFCV loader (built once, at the first ``next()``)."""

@@ -13,17 +13,17 @@ a batch whose ``__getitems__`` fails is retried sample by sample to find the fai
 
 Fetch paths, fastest first (each gives exactly what ``default_collate`` of the samples gives):
 
-1. *gather*: in-memory data (a tensor, a numeric numpy array, ``TensorDataset``, and
-   ``StackDataset``/``Subset`` over those) is gathered a whole batch at a time with
-   ``index_select`` (in the main process, several batches at a time: ``gathered``); no user
-   code runs, so no RNG is seeded and no sample context is set.
+1. *gather*: in-memory data (a tensor, a numeric numpy array, ``TensorDataset``, a
+   ``TableDataset`` of numeric columns, and ``StackDataset``/``Subset`` over those) is
+   gathered a whole batch at a time with ``index_select`` (in the main process, several
+   batches at a time: ``gathered``); no user code runs, so no RNG is seeded and no sample
+   context is set.
 2. *getitems*: a dataset's own ``__getitems__`` gets the batch's indices in one call.
 3. *per sample*: ``dataset[i]`` for every index, with ``sample_context()`` set.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable, Iterator
 from itertools import islice
@@ -42,8 +42,9 @@ from torch.utils.data import (
 
 from lightning_loaders.context import seeded_fetch, set_sample
 from lightning_loaders.engines.faults import Failed, OnError, Skipped, SkippedSample
-from lightning_loaders.errors import SampleFetchError
+from lightning_loaders.errors import SampleFetchError, fetch_error
 from lightning_loaders.schedule.requests import BatchRequest
+from lightning_loaders.sources.tables import TableDataset
 
 __all__ = ["BatchFetcher"]
 
@@ -164,25 +165,18 @@ class BatchFetcher(Dataset[Any]):
 
 def _fetch_error(request: BatchRequest, k: int | None, exc: BaseException,
                  call: str = "") -> SampleFetchError:
-    """A ``SampleFetchError`` naming sample ``k`` of ``request`` (or, with ``k=None``, the batch
-    that ``call`` failed on), the epoch, the worker and the rank."""
-    info = get_worker_info()
-    worker = info.id if info is not None else None
-    pid = os.getpid()
-    where = f"worker {worker} (pid {pid})" if info is not None else "the main process"
-    index = position = None
+    """The error naming sample ``k`` of ``request`` (or, with ``k=None``, the batch that
+    ``call`` failed on)."""
     if k is None:
         shown = ", ".join(map(str, request.indices[:8].tolist()))
         more = ", ..." if len(request.indices) > 8 else ""
-        what = f"{call} of batch {request.batch} (dataset indices [{shown}{more}])"
-    else:
-        index, position = int(request.indices[k]), int(request.positions[k])
-        what = f"sample index {index} (epoch position {position}, batch {request.batch})"
-    message = (f"{type(exc).__name__} in {what} of epoch {request.epoch}, in {where} on rank "
-               f"{request.rank}: {exc}")
-    return SampleFetchError(message, index=index, position=position, epoch=request.epoch,
-                            batch=request.batch, rank=request.rank, worker=worker, pid=pid,
-                            cause_type=type(exc).__name__)
+        return fetch_error(exc, f"{call} of batch {request.batch} (dataset indices "
+                                f"[{shown}{more}])", epoch=request.epoch, batch=request.batch,
+                           rank=request.rank)
+    index, position = int(request.indices[k]), int(request.positions[k])
+    return fetch_error(exc, f"sample index {index} (epoch position {position}, batch "
+                            f"{request.batch})", epoch=request.epoch, batch=request.batch,
+                       rank=request.rank, index=index, position=position)
 
 
 # -- the gather path -----------------------------------------------------------------------
@@ -224,6 +218,8 @@ def _gather_for(data: Any) -> _Gather | None:
             parts = _gather_list([_gather_for(data.datasets[k]) for k in keys])
             return None if parts is None else _DictGather(keys, parts)
         return _gather_list([_gather_for(d) for d in data.datasets])
+    if kind is TableDataset:
+        return _gather_table(data)
     if kind is Subset:
         inner = _gather_for(data.dataset)
         if inner is None:
@@ -236,6 +232,15 @@ def _gather_list(parts: list[_Gather | None]) -> _ListGather | None:
     if any(part is None for part in parts):
         return None
     return _ListGather(parts)  # type: ignore[arg-type]
+
+
+def _gather_table(table: TableDataset) -> _Gather | None:
+    """A table whose columns are all numeric: one take per column into a dict of tensors."""
+    arrays = table.numeric_arrays()
+    if arrays is None:
+        return None
+    parts = _gather_list([_gather_array(array) for array in arrays.values()])
+    return None if parts is None else _DictGather(list(arrays), parts)
 
 
 def _gather_array(array: np.ndarray) -> _Gather | None:

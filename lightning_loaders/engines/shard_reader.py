@@ -5,22 +5,21 @@
 from __future__ import annotations
 
 import itertools
-import os
-import traceback
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset, default_collate
-from torch.utils.data import get_worker_info as torch_worker_info
 
 from lightning_loaders.context import seeded_fetch
-from lightning_loaders.errors import SampleFetchError
+from lightning_loaders.errors import SampleFetchError, fetch_error
 from lightning_loaders.hashing import mix64
 from lightning_loaders.orders.permutation import KeyedPermutation
 from lightning_loaders.schedule.requests import Cursor, Delivered, SlotEnd, SlotRequest
 from lightning_loaders.schedule.shard_plan import Piece, PlanConfig, plan_epoch
-from lightning_loaders.sources.shards import PlainStream, ShardedSource
+from lightning_loaders.sources.plain import PlainStream, sole_reader
+from lightning_loaders.sources.shards import ShardedSource
 
 __all__ = ["SlotFetcher", "SlotReader"]
 
@@ -31,13 +30,16 @@ class SlotReader:
     """Reads one slot's pieces in order, optionally through a shuffle window.
 
     Samples move in chunks (``itertools.islice`` over the shard iterators), so the per-sample
-    cost is the source's own.
+    cost is the source's own. A plain dataset is read inside ``sole_reader()`` (entered once
+    per chunk), so it yields its whole stream whatever it does with ``get_worker_info()``.
     """
 
     def __init__(self, source: ShardedSource[Any], pieces: tuple[Piece, ...], start: Cursor,
                  window: int, key: int, generation: int) -> None:
         self.generation, self.batch, self.exhausted = generation, start.batches, start.exhausted
         self._source, self._pieces, self._window, self._key = source, pieces, window, key
+        self._view: Callable[[], AbstractContextManager[Any]] = (
+            sole_reader if isinstance(source, PlainStream) else nullcontext)
         self._piece, self._offset, self._state = start.piece, start.offset, start.reader_state
         self._it: Iterator[Any] | None = None
         self._it_position = 0  # the shard position the open iterator yields next
@@ -98,7 +100,8 @@ class SlotReader:
         iterator, self._it = self._it, None
         close = getattr(iterator, "close", None)
         if callable(close):
-            close()
+            with self._view():
+                close()
 
     def _fill(self) -> bool:
         """Read the next window and permute it; ``False`` at the end of the stream."""
@@ -139,6 +142,10 @@ class SlotReader:
 
     def _read(self, n: int) -> list[Any]:
         """Up to ``n`` next samples of the pieces (raw: before the shuffle window)."""
+        with self._view():
+            return self._read_pieces(n)
+
+    def _read_pieces(self, n: int) -> list[Any]:
         out = [self._peeked.pop()[0]] if self._peeked and n > 0 else []
         while len(out) < n:
             self._skip_finished_pieces()
@@ -160,12 +167,17 @@ class SlotReader:
                 self._offset += len(chunk) * piece.step
             if len(chunk) < want:  # the shard ended
                 if piece.stop is not None:
-                    raise ValueError(
-                        f"shard {piece.shard} ended at sample {self._offset}, but its declared "
-                        f"length says it has at least {piece.stop}: fix the source's "
-                        "shard_lengths")
+                    raise ValueError(self._too_short(piece))
                 self._advance()
         return out
+
+    def _too_short(self, piece: Piece) -> str:
+        if isinstance(self._source, PlainStream):
+            lengths = self._source.shard_lengths
+            return self._source.shorter_than_declared(
+                self._offset, lengths[0] if lengths else piece.stop or 0)
+        return (f"shard {piece.shard} ended at sample {self._offset}, but its declared length "
+                f"says it has at least {piece.stop}: fix the source's shard_lengths")
 
 
 class SlotFetcher(Dataset[Any]):
@@ -212,6 +224,19 @@ class SlotFetcher(Dataset[Any]):
             raise _fetch_error(request, reader, exc) from exc
         return Delivered(request.slot, request.batch, data, cursor)
 
+    def set_epoch(self, epoch: int) -> None:
+        """Forward the epoch to the source's ``set_epoch``, once per epoch in this process.
+
+        The loader calls it in the main process before the epoch's requests go out, so a
+        source that keeps its epoch in memory shared with the workers (Hugging Face's) is set
+        once, before any worker reads; each worker then forwards it to its own copy.
+        """
+        if epoch != self._source_epoch:
+            set_epoch = getattr(self.source, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
+            self._source_epoch = epoch
+
     def close(self) -> None:
         for reader in self._readers.values():
             reader.close()
@@ -225,11 +250,7 @@ class SlotFetcher(Dataset[Any]):
         if reader is not None:
             reader.close()
         assert request.start is not None
-        if request.epoch != self._source_epoch:
-            set_epoch = getattr(self.source, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(request.epoch)
-            self._source_epoch = request.epoch
+        self.set_epoch(request.epoch)
         layout = plan_epoch(self.config, request.epoch, request.world_size, self.slots)
         key = mix64(self.config.seed, request.epoch, request.rank, request.slot, _WINDOW_SALT)
         reader = SlotReader(self.source, layout.pieces[request.rank][request.slot],
@@ -245,13 +266,7 @@ class SlotFetcher(Dataset[Any]):
 
 def _fetch_error(request: SlotRequest, reader: SlotReader | None,
                  exc: Exception) -> SampleFetchError:
-    info = torch_worker_info()
-    where = f"worker {info.id}" if info is not None else "the main process"
+    """The error naming the batch and slot being read (and the shard, when it is known)."""
     shard = f" ({reader.where()})" if reader is not None else ""
-    return SampleFetchError(
-        f"{type(exc).__name__} while reading batch {request.batch} of slot {request.slot}"
-        f"{shard} in epoch {request.epoch}, in {where} on rank {request.rank}: {exc}",
-        epoch=request.epoch, batch=request.batch, rank=request.rank,
-        worker=info.id if info is not None else None, pid=os.getpid(),
-        cause_type=type(exc).__name__,
-        worker_traceback=traceback.format_exc() if info is not None else None)
+    return fetch_error(exc, f"batch {request.batch} of slot {request.slot}{shard}",
+                       epoch=request.epoch, batch=request.batch, rank=request.rank)

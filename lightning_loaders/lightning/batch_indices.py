@@ -14,13 +14,13 @@ from typing import overload
 import numpy as np
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 
-from lightning_loaders.loaders.map_style import ResumableLoader
+from lightning_loaders.loaders.map_style import MapStyleLoader
 from lightning_loaders.schedule.map_schedule import MapSchedule
 
 __all__ = ["batch_indices", "expose_batch_indices"]
 
 
-def batch_indices(loader: ResumableLoader, epoch: int | None = None,
+def batch_indices(loader: MapStyleLoader, epoch: int | None = None,
                   rank: int | None = None) -> list[np.ndarray]:
     """Dataset indices of every batch ``rank`` reads in a full ``epoch``, batch by batch.
 
@@ -36,7 +36,7 @@ def batch_indices(loader: ResumableLoader, epoch: int | None = None,
             for b in range(schedule.plan_for(epoch, world_size).num_batches)]
 
 
-def expose_batch_indices(loader: ResumableLoader) -> ResumableLoader:
+def expose_batch_indices(loader: MapStyleLoader) -> MapStyleLoader:
     """Give ``loader`` the ``batch_sampler`` through which Lightning's prediction loop learns
     the dataset indices of each delivered batch (``BasePredictionWriter``'s ``batch_indices``).
     """

@@ -30,7 +30,8 @@ from torch.utils.data import DataLoader
 
 from lightning_loaders.lightning.batch_indices import expose_batch_indices
 from lightning_loaders.loaders.convert import make_resumable
-from lightning_loaders.loaders.map_style import ResumableLoader
+from lightning_loaders.loaders.map_style import MapStyleLoader
+from lightning_loaders.loaders.resumable import ResumableLoader
 
 __all__ = ["STATE_KEY", "ResumableDataModule"]
 
@@ -142,7 +143,7 @@ def _converting(hook: Callable[..., Any], stage: str) -> Callable[..., Any]:
             _cursors(self).track(loaders)
         if stage == "predict":
             for _, leaf in _leaves(loaders):
-                if isinstance(leaf, ResumableLoader):
+                if isinstance(leaf, MapStyleLoader):
                     expose_batch_indices(leaf)
         return loaders
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
-from lightning_loaders.loaders.map_style import ResumableLoader
+from lightning_loaders.loaders.resumable import ResumableLoader
 from lightning_loaders.orders.from_torch import order_from_batch_sampler
 from lightning_loaders.schedule.map_schedule import resolve_seed
 

@@ -40,8 +40,13 @@ The plan of an epoch
     reads ``k`` times the data, and a resume re-reads the skipped part of the stream: slower,
     but sharded and resumable. A dataset
     with ``__len__`` counts as known length (equal batch counts as above, per slot), else
-    unknown. The dataset must yield the same stream in every process (do not shard it by hand
-    with ``get_worker_info()``); its ``set_epoch(epoch)``, if any, is called before each epoch.
+    unknown. The dataset is read as its only reader (``lightning_loaders.sources.plain``):
+    ``get_worker_info()`` returns ``None`` and ``RANK``/``WORLD_SIZE`` say 0/1 while it yields,
+    so datasets that split their stream by worker (torch's documented pattern, Hugging Face,
+    WebDataset) are read whole and every sample arrives once. Datasets split by node from
+    their own configuration (HF ``split_dataset_by_node``, a WebDataset ``split_by_node``
+    stage) are refused with the fix. The stream must be the same in every process; its
+    ``set_epoch(epoch)``, if any, is called before each epoch.
 
     ``shuffle_buffer=n`` additionally mixes samples within a slot: its stream is cut into
     windows of ``n`` samples, each emitted in a permutation keyed by ``(seed, epoch, rank,
@@ -54,39 +59,42 @@ Exact resume
     position (piece, offset in the shard, and the shard iterator's own ``state_dict()`` if it
     has one) with every batch; ``state_dict()`` gathers all ranks' positions with
     ``all_gather_object`` (every rank calls it when Lightning checkpoints), so the state rank 0
-    saves restores every rank. Resuming mid-epoch with another ``num_workers`` or world size is
-    refused with an error saying why (the slots' streams would differ); at an epoch boundary
-    any configuration resumes. A worker process that dies is replaced the same way: all
-    workers restart from the position of the last batch received, so the stream goes on as if
-    nothing happened (at most ``max_worker_restarts`` times per epoch).
+    saves restores every rank. An iterable dataset's own ``state_dict()`` (a Hugging Face
+    ``IterableDataset`` has one) is neither saved nor loaded: the loader keeps the position,
+    and restoring both would skip twice. Resuming mid-epoch with another ``num_workers`` or
+    world size is refused with an error saying why (the slots' streams would differ); at an
+    epoch boundary any configuration resumes. A worker process that dies is replaced the same
+    way: all workers restart from the position of the last batch received, so the stream goes
+    on as if nothing happened (at most ``max_worker_restarts`` times per epoch).
 """
 
 from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-import torch
-from torch.utils.data import IterableDataset, Sampler
+from torch.utils.data import Sampler
 
-from lightning_loaders.engines.faults import OnError
+from lightning_loaders.collectives import agree_min
 from lightning_loaders.engines.shard_reader import SlotFetcher
 from lightning_loaders.engines.workers import WorkerLost, WorkerStalled
-from lightning_loaders.loaders.base import EpochSampler, WorkerLoader, check_current
-from lightning_loaders.loaders.prefetch import batches_held
+from lightning_loaders.loaders.delivery import EpochSampler
+from lightning_loaders.loaders.options import LoaderOptions
+from lightning_loaders.loaders.resumable import ResumableLoader
 from lightning_loaders.schedule.map_plan import LastBatch
 from lightning_loaders.schedule.map_schedule import resolve_last_batch
 from lightning_loaders.schedule.requests import Delivered, SlotEnd, SlotRequest
 from lightning_loaders.schedule.shard_plan import PlanConfig
-from lightning_loaders.schedule.shard_schedule import IterableSchedule, agree_min
-from lightning_loaders.sources.shards import PlainStream, ShardedSource
+from lightning_loaders.schedule.shard_schedule import IterableSchedule
+from lightning_loaders.sources.plain import PlainStream
+from lightning_loaders.sources.shards import ShardedSource
 
 __all__ = ["ResumableIterableLoader"]
 
 
-class ResumableIterableLoader(WorkerLoader):
+class ResumableIterableLoader(ResumableLoader):
     """A deterministic, sharded, exactly resumable loader over an iterable dataset.
 
     ``ResumableLoader(dataset, ...)`` returns one when ``dataset`` is a
@@ -108,55 +116,22 @@ class ResumableIterableLoader(WorkerLoader):
     See the module docstring for the plan, the equal-count strategies and resume.
     """
 
-    def __init__(
-        self,
-        dataset: IterableDataset[Any],
-        batch_size: int | None = 1,
-        shuffle: bool | None = None,
-        sampler: Any = None,
-        batch_sampler: Any = None,
-        num_workers: int = 0,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
-        pin_memory: bool = False,
-        drop_last: bool = False,
-        timeout: float = 0,
-        worker_init_fn: Callable[[int], None] | None = None,
-        multiprocessing_context: Any = None,
-        generator: torch.Generator | None = None,
-        *,
-        prefetch_factor: int | None = None,
-        persistent_workers: bool | None = None,
-        pin_memory_device: str = "",
-        in_order: bool = True,
-        seed: int | None = None,
-        last_batch: LastBatch | None = None,
-        rank: int | None = None,
-        world_size: int | None = None,
-        on_error: OnError = "raise",
-        max_worker_restarts: int = 3,
-        evaluation: bool = False,
-        shuffle_buffer: int = 0,
-        sync_interval: int = 8,
-    ) -> None:
-        if sampler is not None or batch_sampler is not None:
+    schedule: IterableSchedule
+
+    def _configure(self, dataset: Any, options: LoaderOptions) -> None:
+        if options.sampler is not None or options.batch_sampler is not None:
             raise ValueError("an iterable dataset takes no sampler or batch_sampler (as in "
                              "DataLoader): the plan decides the order; shuffle shards with "
                              "shuffle=True and mix samples with shuffle_buffer")
-        self.last_batch: LastBatch = resolve_last_batch(last_batch, drop_last)
-        self._take_options(
-            dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
-            pin_memory=pin_memory, drop_last=self.last_batch == "drop", timeout=timeout,
-            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
-            generator=generator, prefetch_factor=prefetch_factor,
-            persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
-            in_order=in_order, seed=seed, on_error=on_error,
-            max_worker_restarts=max_worker_restarts)
-        if on_error != "raise":
-            raise ValueError(f"on_error={on_error!r} is not supported for iterable datasets: a "
-                             "shard iterator that raised cannot go on past the failing sample; "
-                             "skip bad records inside open_shard instead")
+        self.last_batch: LastBatch = resolve_last_batch(options.last_batch, options.drop_last)
+        self._take_options(dataset, options, drop_last=self.last_batch == "drop")
+        shuffle, shuffle_buffer = options.shuffle, options.shuffle_buffer
+        if options.on_error != "raise":
+            raise ValueError(f"on_error={options.on_error!r} is not supported for iterable "
+                             "datasets: a shard iterator that raised cannot go on past the "
+                             "failing sample; skip bad records inside open_shard instead")
         for name, value, low in (("shuffle_buffer", shuffle_buffer, 0),
-                                 ("sync_interval", sync_interval, 1)):
+                                 ("sync_interval", options.sync_interval, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         source = dataset if isinstance(dataset, ShardedSource) else PlainStream(dataset)
@@ -178,45 +153,29 @@ class ResumableIterableLoader(WorkerLoader):
                              "reorder) needs shuffle_buffer > 0 to mix samples")
         self.shuffle = bool(shuffle)
         self.shuffle_buffer = shuffle_buffer
-        self.sync_interval = sync_interval
+        self.sync_interval = options.sync_interval
         config = PlanConfig(None if lengths is None else tuple(lengths), len(source.shards),
                             strided, self.batch_size, self.last_batch, self.shuffle, self.seed,
-                            merge_short_tail=evaluation and not strided)
-        slots = max(1, num_workers)
+                            merge_short_tail=options.evaluation and not strided)
+        slots = max(1, options.num_workers)
         self.schedule = IterableSchedule(config, slots, max(1, shuffle_buffer),
-                                         source.fingerprint, rank, world_size)
+                                         source.fingerprint, options.rank,
+                                         options.world_size)
         self.sampler = EpochSampler(self.schedule)
-        self._fetcher = SlotFetcher(source, config, slots, max(1, shuffle_buffer), collate_fn)
+        self._fetcher = SlotFetcher(source, config, slots, max(1, shuffle_buffer),
+                                   options.collate_fn)
         self._warned_surplus = False
 
     # -- the DataLoader surface -------------------------------------------------------------
 
-    def __len__(self) -> int:
-        """Batches per epoch on this rank (equal on every rank); ``TypeError`` when the
-        lengths are unknown or under ``last_batch="rollover"``."""
-        return self.schedule.num_batches()
-
-    def __repr__(self) -> str:
-        schedule = self.schedule
-        rank, world_size = schedule.placement
-        epoch = "not started" if schedule.epoch is None else schedule.epoch
-        config = schedule.config
+    def _describe(self) -> list[str]:
+        config = self.schedule.config
         lengths = "unknown" if config.lengths is None else sum(config.lengths)
         kind = "strided" if config.strided else f"{config.num_shards} shards"
-        return (f"{type(self).__name__}(dataset={type(self.dataset).__name__}({kind}, "
-                f"samples={lengths}), batch_size={self.batch_size}, shuffle={self.shuffle}, "
-                f"shuffle_buffer={self.shuffle_buffer}, last_batch={self.last_batch!r}, "
-                f"num_workers={self.num_workers}, rank={rank}/{world_size}, seed={self.seed}, "
-                f"epoch={epoch}, batches={schedule.batches})")
-
-    def state_dict(self) -> dict[str, Any]:
-        """The cursor as a plain dict; with unknown lengths every rank's slot positions,
-        gathered from all ranks (every rank must call it, as Lightning does)."""
-        return self.schedule.state_dict(held=batches_held(self._prefetcher))
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a cursor; the next ``iter()`` continues exactly after its last batch."""
-        self.schedule.load_state_dict(state_dict)
+        return [f"dataset={type(self.dataset).__name__}({kind}, samples={lengths})",
+                f"batch_size={self.batch_size}", f"shuffle={self.shuffle}",
+                f"shuffle_buffer={self.shuffle_buffer}", f"last_batch={self.last_batch!r}",
+                f"num_workers={self.num_workers}"]
 
     def close(self) -> None:
         """Shut the worker processes (and, without workers, the open shards) down now; they
@@ -224,8 +183,14 @@ class ResumableIterableLoader(WorkerLoader):
         super().close()
         self._fetcher.close()
 
-    def _new_iterator(self, token: int) -> _IterableLoaderIterator:
-        return _IterableLoaderIterator(self, token)
+    def _open_epoch(self) -> Iterator[Any]:
+        self.schedule.begin_epoch()
+        self._epoch_restarts = 0
+        return self._deliver()
+
+    def _reopen(self) -> Iterator[Any]:
+        self.schedule.restart()
+        return self._deliver()
 
     def _position(self) -> int:
         return self.schedule.received_batches
@@ -249,6 +214,10 @@ class ResumableIterableLoader(WorkerLoader):
         schedule = self.schedule
         if schedule.ended:
             return
+        assert schedule.epoch is not None
+        self._fetcher.set_epoch(schedule.epoch)  # in this process, before any worker reads
+        if isinstance(self._fetcher.source, PlainStream):
+            schedule.check_same_stream(self._fetcher.source.digest)
         while True:
             try:
                 for item in self._workers():
@@ -297,41 +266,6 @@ class ResumableIterableLoader(WorkerLoader):
             prefetch = max(prefetch or 2, -(-self.sync_interval // self.num_workers))
         sampler = _RequestSampler(self.schedule, self.num_workers > 0)
         return iter(self._worker_pool(self._fetcher, sampler, prefetch))
-
-
-class _IterableLoaderIterator:
-    """Counts a batch when it is handed to the caller, never when it is prefetched."""
-
-    def __init__(self, loader: ResumableIterableLoader, token: int) -> None:
-        self._loader = loader
-        self._token = token
-        self._batches: Iterator[Any] | None = None
-        self._generation = -1
-        self._started = False
-
-    def __iter__(self) -> _IterableLoaderIterator:
-        return self
-
-    def __next__(self) -> Any:
-        loader = self._loader
-        check_current(loader, self._token)
-        if self._batches is None or self._generation != loader._generation:
-            if self._started:  # after an error or close(): go on from the cursor
-                loader.schedule.restart()
-            else:
-                loader.schedule.begin_epoch()
-                loader._epoch_restarts = 0
-                self._started = True
-            self._generation = loader._generation
-            self._batches = loader._deliver()
-        try:
-            return next(self._batches)
-        except StopIteration:
-            raise
-        except BaseException:
-            self._batches = None
-            loader.close()
-            raise
 
 
 class _RequestSampler(Sampler[SlotRequest]):

@@ -1,5 +1,5 @@
-"""``ResumableLoader``: a drop-in ``DataLoader`` whose batch order is a function, and whose
-state is a cursor.
+"""``MapStyleLoader``: ``ResumableLoader`` over a map-style dataset, a drop-in ``DataLoader``
+whose batch order is a function, and whose state is a cursor.
 
 The order of an epoch is a pure function of ``(seed, epoch, world_size, rank)``; the cursor is
 ``(epoch, batches delivered)``, counted when a batch reaches the caller. Workers are torch's own
@@ -13,152 +13,76 @@ leaves the cursor on the failing batch; ``close()`` at any point loses nothing.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
-import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
-from lightning_loaders.engines.faults import Failed, OnError, Skipped, SkippedSample
+from lightning_loaders.engines.faults import Failed, Skipped, SkippedSample
 from lightning_loaders.engines.fetch import BatchFetcher
 from lightning_loaders.engines.workers import WorkerLost, WorkerStalled, shutdown
 from lightning_loaders.errors import StateMismatchError
-from lightning_loaders.loaders.base import SizedEpochSampler, WorkerLoader, check_current
-from lightning_loaders.loaders.prefetch import batches_held
+from lightning_loaders.loaders.delivery import SizedEpochSampler
+from lightning_loaders.loaders.resumable import LoaderOptions, ResumableLoader
 from lightning_loaders.orders.base import SampleOrder, SequentialOrder, ShuffledOrder
 from lightning_loaders.orders.from_torch import order_from_sampler
 from lightning_loaders.schedule.map_plan import LastBatch
 from lightning_loaders.schedule.map_schedule import MapSchedule, resolve_last_batch
 from lightning_loaders.schedule.requests import BatchRequest
+from lightning_loaders.state import Stateful
 
-__all__ = ["ResumableLoader"]
+__all__ = ["MapStyleLoader"]
 
 _log = logging.getLogger(__name__)
-_SKIPPED = "skipped"  # state["extra"] key: samples skipped under on_error="skip" so far
+_SKIPPED = "skipped"  # the part: samples skipped under on_error="skip" so far
+_DATASET = "dataset"  # the part: the dataset's own state_dict(), when it has one
 _NOTHING = object()  # a batch whose samples were all skipped: nothing to deliver
 
 
-class ResumableLoader(WorkerLoader):
-    """A deterministic, distributed, exactly resumable ``torch.utils.data.DataLoader``.
+class MapStyleLoader(ResumableLoader):
+    """A ``ResumableLoader`` over a map-style dataset: the global batch plan over the dataset's
+    indices (``MapSchedule``), fetched by ``BatchFetcher`` in this process or in torch's
+    workers. ``ResumableLoader(map_style_dataset, ...)`` returns one."""
 
-    Takes ``DataLoader``'s keyword arguments, plus:
+    schedule: MapSchedule
 
-    Args:
-        seed: keys every shuffle; defaults to ``generator.initial_seed()`` when a generator is
-            given, else ``$PL_GLOBAL_SEED`` (set by ``seed_everything``), else 0.
-        last_batch: ``"keep"`` (default), ``"drop"`` (what ``drop_last=True`` means), ``"pad"``
-            (wrap around to fill the last global batch) or ``"rollover"`` (leftovers open the
-            next epoch).
-        rank, world_size: explicit placement; by default resolved at the first ``next()`` from
-            the process group or the ``RANK``/``WORLD_SIZE`` environment.
-        on_error: ``"raise"`` (default): an exception in ``__getitem__``, a transform or
-            ``collate_fn`` is re-raised in the main process as ``SampleFetchError`` naming the
-            sample (dataset index and epoch position), batch, epoch, worker and rank, chained to
-            the original exception (with the worker's traceback). ``"skip"``: a sample whose
-            fetch raises is left out of its batch (which is then shorter; a batch with no sample
-            left is not delivered) and recorded in ``skipped``. Skipping is deterministic when
-            the same samples always fail, and a resume skips them again; ``collate_fn`` errors
-            are always raised.
-        max_worker_restarts: a worker process that dies (killed by a signal, e.g. the
-            out-of-memory killer) is replaced, with all workers restarted from the cursor, so
-            the stream goes on exactly as without the crash; at most this many times per epoch
-            (default 3), then ``WorkerCrashedError``. ``0`` raises at the first crash.
-        evaluation: for validation/test/predict: with ``last_batch="keep"`` and
-            ``batch_size=1``, leftover samples (fewer than ranks) join the last batch of the
-            first ranks instead of failing, so every sample is read once and every rank has the
-            same number of batches.
-        shuffle_buffer, sync_interval: for iterable datasets (``ResumableIterableLoader``,
-            which an iterable dataset gets); a map-style dataset refuses them.
-
-    ``timeout`` raises ``WorkerTimeoutError`` naming the worker whose batch is late. Workers
-    stop on ``close()`` (also used as ``with loader:``), when the loader is collected, and when
-    a Lightning ``Trainer`` tears its loop down (end of ``fit``, an exception, Ctrl-C,
-    SIGTERM).
-
-    Unlike ``DataLoader``, workers are persistent between epochs unless
-    ``persistent_workers=False``, and ``in_order`` is always honoured as ``True``. In-memory
-    data (tensors, numeric arrays, ``TensorDataset`` and the like, with the default collate) is
-    gathered a whole batch at a time in the main process whatever ``num_workers`` is, unless a
-    ``worker_init_fn`` or ``pin_memory`` asks for workers: no user code runs per sample, and a
-    batch sent from a worker process would cost more than gathering it.
-    """
-
-    def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any) -> Any:
-        """An iterable dataset gets a ``ResumableIterableLoader`` (same arguments, plus
-        ``shuffle_buffer`` and ``sync_interval``): sharded, equal-length, exactly resumable."""
-        if cls is ResumableLoader and isinstance(dataset, IterableDataset):
-            from lightning_loaders.loaders.iterable import ResumableIterableLoader
-
-            return ResumableIterableLoader(dataset, *args, **kwargs)
-        return super().__new__(cls)
-
-    def __init__(
-        self,
-        dataset: Any,
-        batch_size: int | None = 1,
-        shuffle: bool | None = None,
-        sampler: Sampler[Any] | SampleOrder | None = None,
-        batch_sampler: BatchSampler | None = None,
-        num_workers: int = 0,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
-        pin_memory: bool = False,
-        drop_last: bool = False,
-        timeout: float = 0,
-        worker_init_fn: Callable[[int], None] | None = None,
-        multiprocessing_context: Any = None,
-        generator: torch.Generator | None = None,
-        *,
-        prefetch_factor: int | None = None,
-        persistent_workers: bool | None = None,
-        pin_memory_device: str = "",
-        in_order: bool = True,
-        seed: int | None = None,
-        last_batch: LastBatch | None = None,
-        rank: int | None = None,
-        world_size: int | None = None,
-        on_error: OnError = "raise",
-        max_worker_restarts: int = 3,
-        evaluation: bool = False,
-        shuffle_buffer: int = 0,
-        sync_interval: int = 8,
-    ) -> None:
+    def _configure(self, dataset: Any, options: LoaderOptions) -> None:
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-            raise TypeError("ResumableLoader needs a map-style dataset (with __len__ and "
-                            "__getitem__)")
-        if shuffle_buffer != 0 or sync_interval != 8:
+            raise TypeError(f"{type(self).__name__} needs a map-style dataset (with __len__ and "
+                            "__getitem__); ResumableLoader picks the loader for an iterable one")
+        if options.shuffle_buffer != 0 or options.sync_interval != 8:
             raise ValueError("shuffle_buffer and sync_interval are for iterable datasets; a "
                              "map-style dataset is shuffled over the whole epoch with "
                              "shuffle=True, and its ranks always have equal batch counts")
+        batch_sampler = options.batch_sampler
         if batch_sampler is not None:
-            if batch_size != 1 or shuffle or sampler is not None or drop_last:
+            o = options
+            if o.batch_size != 1 or o.shuffle or o.sampler is not None or o.drop_last:
                 raise ValueError("batch_sampler is mutually exclusive with batch_size, shuffle, "
                                  "sampler and drop_last (as in DataLoader)")
             if not isinstance(batch_sampler, BatchSampler):
                 raise TypeError(f"cannot convert a {type(batch_sampler).__name__} batch sampler; "
                                 "pass a torch BatchSampler or a sampler and batch_size")
-            sampler = batch_sampler.sampler  # type: ignore[assignment]
-            batch_size = batch_sampler.batch_size
-            drop_last = batch_sampler.drop_last
-        self.last_batch: LastBatch = resolve_last_batch(last_batch, drop_last)
-        self._take_options(
-            dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
-            pin_memory=pin_memory, drop_last=self.last_batch == "drop", timeout=timeout,
-            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
-            generator=generator, prefetch_factor=prefetch_factor,
-            persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
-            in_order=in_order, seed=seed, on_error=on_error,
-            max_worker_restarts=max_worker_restarts)
-        if sampler is not None and shuffle:
+            options = replace(options, sampler=batch_sampler.sampler, batch_sampler=None,
+                              batch_size=batch_sampler.batch_size,
+                              drop_last=batch_sampler.drop_last)
+        self.last_batch: LastBatch = resolve_last_batch(options.last_batch, options.drop_last)
+        self._take_options(dataset, options, drop_last=self.last_batch == "drop")
+        sampler = options.sampler
+        if sampler is not None and options.shuffle:
             raise ValueError("shuffle=True cannot be combined with a sampler: the sampler "
                              "decides the order (drop shuffle, or drop the sampler)")
         if len(dataset) < 1:
             raise ValueError(f"the dataset ({type(dataset).__name__}) is empty: len() is 0; a "
                              "loader needs at least one sample (check its path or filter)")
-        order = self._make_order(sampler, bool(shuffle), len(dataset))
-        self.schedule = MapSchedule(order, self.batch_size, self.last_batch, self.seed, rank,
-                                    world_size, merge_short_tail=evaluation)
+        order = self._make_order(sampler, bool(options.shuffle), len(dataset))
+        self.schedule = MapSchedule(order, self.batch_size, self.last_batch, self.seed,
+                                    options.rank, options.world_size,
+                                    merge_short_tail=options.evaluation)
         _check_plan(self.schedule)
         self.sampler = SizedEpochSampler(self.schedule)
         self.batch_sampler: Any = None  # DataLoader's surface: Lightning's evaluation reads it
@@ -171,19 +95,11 @@ class ResumableLoader(WorkerLoader):
 
     # -- the DataLoader surface -------------------------------------------------------------
 
-    def __len__(self) -> int:
-        """Batches per epoch on this rank (equal on every rank)."""
-        return len(self.schedule)
-
-    def __repr__(self) -> str:
+    def _describe(self) -> list[str]:
         schedule = self.schedule
-        rank, world_size = schedule.placement
-        epoch = "not started" if schedule.epoch is None else schedule.epoch
-        return (f"{type(self).__name__}(dataset={type(self.dataset).__name__}(len="
-                f"{schedule.dataset_len}), batch_size={self.batch_size}, order="
-                f"{schedule.order.fingerprint}, last_batch={self.last_batch!r}, num_workers="
-                f"{self.num_workers}, rank={rank}/{world_size}, seed={self.seed}, epoch={epoch}, "
-                f"batches={schedule.batches})")
+        return [f"dataset={type(self.dataset).__name__}(len={schedule.dataset_len})",
+                f"batch_size={self.batch_size}", f"order={schedule.order.fingerprint}",
+                f"last_batch={self.last_batch!r}", f"num_workers={self.num_workers}"]
 
     @property
     def skipped_indices(self) -> list[int]:
@@ -195,28 +111,41 @@ class ResumableLoader(WorkerLoader):
         """Samples skipped so far in the run, including before a resume (saved in the state)."""
         return self._num_skipped
 
-    def state_dict(self) -> dict[str, Any]:
-        """The cursor as a small plain dict (O(1) in dataset length and worker count)."""
-        held = batches_held(self._prefetcher)
-        state = self.schedule.state_dict(held=held)
-        if self.on_error == "skip" or self._num_skipped:
-            recent = list(self._recent_skips)
-            in_held = sum(recent[max(0, len(recent) - held):]) if held else 0
-            state["extra"] = {**state.get("extra", {}), _SKIPPED: self._num_skipped - in_held}
-        return state
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a cursor; the next ``iter()`` continues exactly after its last batch.
 
         A state from another dataset length, seed, batch size, last-batch policy or order, of
-        an unknown version, or corrupted, is refused with a ``ValueError`` naming each field
-        and both values. ``num_workers``, ``prefetch_factor`` and ``pin_memory`` may differ,
-        and so may the world size (except under ``last_batch="rollover"``).
+        an unknown version, or corrupted, is refused with a ``StateMismatchError`` naming each
+        field and both values. ``num_workers``, ``prefetch_factor`` and ``pin_memory`` may
+        differ, and so may the world size (except under ``last_batch="rollover"``).
+
+        A dataset with ``state_dict()``/``load_state_dict()`` (torchdata's ``Stateful``) gets
+        the state its main-process object had when the state was saved (rank 0's, under DDP);
+        running workers are shut down so that the next ones start from it. What a dataset
+        changes inside worker processes is never seen by the main process, so never saved.
         """
-        skipped = _saved_skip_count(state_dict)
-        self.schedule.load_state_dict(state_dict)
-        self._num_skipped = skipped
+        super().load_state_dict(state_dict)
+
+    def _parts(self, held: int) -> dict[str, Any]:
+        """The skip count (when skipping) and the dataset's own state (when it has one)."""
+        parts: dict[str, Any] = {}
+        if self.on_error == "skip" or self._num_skipped:
+            recent = list(self._recent_skips)
+            in_held = sum(recent[max(0, len(recent) - held):]) if held else 0
+            parts[_SKIPPED] = self._num_skipped - in_held
+        if isinstance(self.dataset, Stateful):
+            parts[_DATASET] = copy.deepcopy(self.dataset.state_dict())
+        return parts
+
+    def _check_parts(self, parts: Mapping[str, Any]) -> None:
+        _saved_skip_count(parts)
+
+    def _load_parts(self, parts: Mapping[str, Any]) -> None:
+        self._num_skipped = _saved_skip_count(parts)
         self._recent_skips.clear()
+        if _DATASET in parts and isinstance(self.dataset, Stateful):
+            self.dataset.load_state_dict(copy.deepcopy(parts[_DATASET]))
+            self.close()
 
     def close(self) -> None:
         """Shut the worker processes down now (they also stop when the loader is collected).
@@ -228,16 +157,38 @@ class ResumableLoader(WorkerLoader):
         shutdown(active)
         super().close()
 
-    def _new_iterator(self, token: int) -> _LoaderIterator:
-        return _LoaderIterator(self, token)
-
     def _position(self) -> int:
         return self.schedule.batches
 
-    def _begin_epoch(self) -> None:
-        """Decide which epoch and batch come next."""
+    def _open_epoch(self) -> Iterator[Any]:
         self.schedule.begin_epoch()
         self._epoch_restarts = 0
+        return self._deliver()
+
+    def _reopen(self) -> Iterator[Any]:
+        return self._deliver()
+
+    def _deliver(self) -> Iterator[Any]:
+        """The rest of the current epoch from the cursor, each batch counted as it is handed
+        over. The engine is reopened at the cursor after a worker crash, and when the order
+        changed mid-epoch (a re-weighted sampler), which re-plans the prefetched batches."""
+        schedule = self.schedule
+        while schedule.remaining > 0:
+            version = schedule.order_version
+            try:
+                for item in self._open():
+                    batch = self._receive(item)
+                    schedule.delivered()
+                    if batch is not _NOTHING:
+                        yield batch
+                    if schedule.order_version != version:
+                        break
+                else:
+                    return
+            except WorkerLost as lost:
+                self._recover(lost)
+            except WorkerStalled as stalled:
+                raise self._stall_error(stalled) from None
 
     def _open(self) -> Iterator[Any]:
         """An iterator over the rest of the epoch from the cursor: fetched in this process when
@@ -309,59 +260,6 @@ class ResumableLoader(WorkerLoader):
         return SequentialOrder(dataset_len)
 
 
-class _LoaderIterator:
-    """Counts a batch when it is handed to the caller, never when it is prefetched."""
-
-    def __init__(self, loader: ResumableLoader, token: int) -> None:
-        self._loader = loader
-        self._token = token
-        self._started = False
-        self._batches: Iterator[Any] | None = None
-        self._generation = -1
-        self._order_version = 0  # a re-weighted order re-plans the prefetched batches
-
-    def __iter__(self) -> _LoaderIterator:
-        return self
-
-    def __next__(self) -> Any:
-        loader = self._loader
-        check_current(loader, self._token)
-        if not self._started:
-            loader._begin_epoch()
-            self._started = True
-        while True:
-            batch = loader._receive(self._next_item())
-            loader.schedule.delivered()
-            if batch is not _NOTHING:
-                return batch
-
-    def _next_item(self) -> Any:
-        """The next fetched item, from workers (re)opened at the cursor whenever needed."""
-        loader = self._loader
-        while True:
-            try:
-                if (self._batches is None or self._generation != loader._generation
-                        or self._order_version != loader.schedule.order_version):
-                    if loader.schedule.remaining == 0:
-                        raise StopIteration
-                    self._generation = loader._generation
-                    self._order_version = loader.schedule.order_version
-                    self._batches = loader._open()
-                return next(self._batches)
-            except StopIteration:
-                raise
-            except WorkerLost as lost:
-                self._batches = None
-                loader._recover(lost)
-            except WorkerStalled as stalled:
-                self._batches = None
-                raise loader._stall_error(stalled) from None
-            except BaseException:
-                self._batches = None
-                loader.close()
-                raise
-
-
 class _RequestSampler(Sampler[BatchRequest]):
     """The internal DataLoader's sampler: re-reads the cursor at every ``iter()``."""
 
@@ -391,14 +289,11 @@ def _check_plan(schedule: MapSchedule) -> None:
             "another last_batch policy")
 
 
-def _saved_skip_count(state_dict: Any) -> int:
-    """The skip count saved in a state (0 when absent); a corrupted one is refused."""
-    extra = state_dict.get("extra") if isinstance(state_dict, Mapping) else None
-    if not isinstance(extra, Mapping):
-        return 0
-    count = extra.get(_SKIPPED, 0)
+def _saved_skip_count(parts: Mapping[str, Any]) -> int:
+    """The skip count saved in a state's parts (0 when absent); a corrupted one is refused."""
+    count = parts.get(_SKIPPED, 0)
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         raise StateMismatchError(
-            f"corrupted loader state: extra.{_SKIPPED}={count!r} is not an int >= 0")
+            f"corrupted loader state: parts[{_SKIPPED!r}]={count!r} is not an int >= 0")
     return count
 

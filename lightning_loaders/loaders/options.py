@@ -1,4 +1,5 @@
-"""Construction-time checks of loader arguments: each error names the value and the fix.
+"""The loader's options (``LoaderOptions``) and their construction-time checks: each error
+names the value and the fix.
 
 Shared by the loaders of this package so that an impossible setting fails when the loader is
 built, not minutes later in a worker process or at the first batch.
@@ -8,11 +9,48 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from lightning_loaders.engines.faults import ON_ERROR
+import torch
 
-__all__ = ["check_loader_arguments", "check_picklable", "start_method"]
+from lightning_loaders.engines.faults import ON_ERROR, OnError
+from lightning_loaders.schedule.map_plan import LastBatch
+
+__all__ = ["LoaderOptions", "check_loader_arguments", "check_picklable", "start_method"]
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """What a loader was constructed with besides the dataset: one field per argument of
+    ``ResumableLoader`` (see its docstring), as given."""
+
+    batch_size: int | None
+    shuffle: bool | None
+    sampler: Any
+    batch_sampler: Any
+    num_workers: int
+    collate_fn: Callable[[list[Any]], Any] | None
+    pin_memory: bool
+    drop_last: bool
+    timeout: float
+    worker_init_fn: Callable[[int], None] | None
+    multiprocessing_context: Any
+    generator: torch.Generator | None
+    prefetch_factor: int | None
+    persistent_workers: bool | None
+    pin_memory_device: str
+    in_order: bool
+    seed: int | None
+    last_batch: LastBatch | None
+    rank: int | None
+    world_size: int | None
+    on_error: OnError
+    max_worker_restarts: int
+    evaluation: bool
+    shuffle_buffer: int
+    sync_interval: int
 
 
 def check_loader_arguments(*, batch_size: Any, num_workers: Any, timeout: Any,

@@ -23,8 +23,8 @@ import torch
 from torch.utils.data import Sampler
 
 from lightning_loaders.collectives import all_gather
-from lightning_loaders.hashing import mix64
-from lightning_loaders.orders.random import check_weights, digest, weighted_draws
+from lightning_loaders.hashing import digest, mix64
+from lightning_loaders.orders.random import check_weights, weighted_draws
 
 __all__ = ["DynamicWeightedSampler"]
 

@@ -10,12 +10,11 @@ a digest of them, never the arrays.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import numpy as np
 
-from lightning_loaders.hashing import mix64, mix64_array
+from lightning_loaders.hashing import digest, mix64, mix64_array
 from lightning_loaders.orders.permutation import KeyedPermutation
 
 __all__ = [
@@ -24,18 +23,11 @@ __all__ = [
     "SubsetOrder",
     "WeightedOrder",
     "check_weights",
-    "digest",
     "weighted_draws",
 ]
 
 # Stream tags keep the hashes of different orders independent for the same (seed, epoch).
 _REPLACEMENT, _REPEATED, _SUBSET, _WEIGHTED, _WEIGHTED_KEYS = range(1, 6)
-
-
-def digest(values: np.ndarray) -> str:
-    """A short content hash of an array (for fingerprints)."""
-    data = np.ascontiguousarray(values)
-    return hashlib.blake2b(data.tobytes() + str(data.dtype).encode(), digest_size=8).hexdigest()
 
 
 def uniform(key: int, positions: np.ndarray) -> np.ndarray:

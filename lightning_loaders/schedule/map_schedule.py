@@ -18,7 +18,7 @@ import torch
 
 from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.orders.base import SampleOrder
-from lightning_loaders.placement import resolve_rank_world
+from lightning_loaders.schedule.epochs import EpochOwner
 from lightning_loaders.schedule.map_plan import (
     LAST_BATCH_POLICIES,
     EpochPlan,
@@ -26,34 +26,25 @@ from lightning_loaders.schedule.map_plan import (
     rollover_span,
 )
 from lightning_loaders.schedule.requests import BatchRequest
-from lightning_loaders.state import LoaderState
+from lightning_loaders.state import LoaderState, Stateful
 
 __all__ = [
     "MapSchedule",
-    "following_epoch",
     "resolve_last_batch",
     "resolve_seed",
-    "trainer_moved_on",
 ]
 
-ORDER_STATE = "order"
+KIND = "map"
+ORDER_STATE = "order"  # the part holding the order's own state (a drawn sampler's, weights)
 _BLOCK_SAMPLES = 8192  # positions planned per order.indices call (~64 KiB of int64 per array)
 
 
-class MapSchedule:
+class MapSchedule(EpochOwner):
     """Plan and cursor of a loader over ``order`` in batches of ``batch_size`` per rank.
 
-    The cursor is ``(epoch, batches delivered in it)``. ``set_epoch`` records the trainer's
-    epoch; ``begin_epoch`` (at the first ``next()`` of a new iterator) decides what comes next:
-
-    - a restored cursor continues, unless it is at its epoch's end or the trainer has moved to a
-      later epoch than the one the cursor's epoch began under (an earlier or equal trainer epoch
-      is stale: Lightning may pass one on restart, #21938);
-    - otherwise the next epoch starts: one past the current epoch, or the trainer's epoch if that
-      is later (so an unfinished epoch's tail is abandoned, as after ``limit_train_batches``).
-
-    The trainer epoch an epoch began under is saved with the cursor, so a restored loader makes
-    exactly the decision the uninterrupted one would have made.
+    The cursor is ``(epoch, batches delivered in it)``; ``begin_epoch`` (at the first
+    ``next()`` of a new iterator) decides what comes next, as every schedule does
+    (``EpochOwner``).
     """
 
     def __init__(self, order: SampleOrder, batch_size: int, last_batch: LastBatch, seed: int,
@@ -65,26 +56,13 @@ class MapSchedule:
         self.batch_size = batch_size
         self.last_batch = last_batch
         self.seed = seed
-        self._explicit_placement = (rank, world_size)
-        self._placement: tuple[int, int] | None = None
-        self.epoch: int | None = None
-        self.batches = 0
+        super().__init__(rank, world_size)
         self._offset_batches = 0
         self.plan: EpochPlan | None = None
-        self._pending: LoaderState | None = None
-        self._trainer_epoch: int | None = None
-        self._owner: int | None = None
 
-    # -- placement and size -----------------------------------------------------------------
+    # -- size -------------------------------------------------------------------------------
 
-    @property
-    def placement(self) -> tuple[int, int]:
-        """``(rank, world_size)``: fixed at the first epoch start, resolved afresh before it."""
-        if self._placement is not None:
-            return self._placement
-        return resolve_rank_world(*self._explicit_placement)
-
-    def __len__(self) -> int:
+    def num_batches(self) -> int:
         """Batches per epoch on this rank (equal on every rank)."""
         if self.last_batch == "rollover":
             raise TypeError("len() is undefined with last_batch='rollover': epochs differ in "
@@ -114,24 +92,6 @@ class MapSchedule:
 
     # -- epochs -----------------------------------------------------------------------------
 
-    def set_epoch(self, epoch: int) -> None:
-        """Record the trainer's epoch; it takes effect at the next epoch start."""
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
-        self._trainer_epoch = epoch
-
-    def begin_epoch(self) -> None:
-        """Fix placement and decide which epoch and batch come next (see the class docstring)."""
-        _, world_size = self._placement = self.placement
-        pending, self._pending = self._pending, None
-        trainer = self._trainer_epoch
-        if pending is not None:
-            self._resume(pending, world_size)
-            if self.remaining > 0 and not trainer_moved_on(trainer, self._owner):
-                return
-        self._start(following_epoch(self.epoch, trainer, self._owner), 0, 0, world_size,
-                    owner=trainer)
-
     @property
     def order_version(self) -> int:
         """Changes when the order's indices change mid-epoch (a re-weighted sampler)."""
@@ -154,13 +114,19 @@ class MapSchedule:
                                self.placement[0], self.order,
                                self.dataset_len if self.last_batch == "rollover" else None)
 
+    def _has_rest(self) -> bool:
+        return self.remaining > 0
+
+    def _start_epoch(self, epoch: int, rank: int, world_size: int) -> None:
+        self._start(epoch, 0, 0, world_size, owner=self._owner)
+
     def _start(self, epoch: int, batches: int, offset_batches: int, world_size: int,
                offset_position: int = 0, owner: int | None = None) -> None:
         self.epoch, self.batches, self._offset_batches = epoch, batches, offset_batches
         self._owner = owner
         self.plan = self.plan_for(epoch, world_size, offset_position)
 
-    def _resume(self, state: LoaderState, world_size: int) -> None:
+    def _resume(self, state: LoaderState, rank: int, world_size: int) -> None:
         if state.world_size == world_size:
             self._start(state.epoch, state.batches, state.offset_batches, world_size,
                         state.offset_position, state.trainer_epoch)
@@ -199,25 +165,24 @@ class MapSchedule:
             return self._pending.to_dict()
         trainer = self._trainer_epoch
         if self.epoch is None:
-            state = LoaderState(trainer or 0, 0, self.placement[1], trainer_epoch=trainer,
-                                fingerprint=self.fingerprint(), extra=self._order_state())
+            state = LoaderState(KIND, trainer or 0, 0, self.placement[1], trainer_epoch=trainer,
+                                fingerprint=self.fingerprint(), parts=self._order_state())
         else:
             assert self.plan is not None
             offset = 0 if self.last_batch == "rollover" else self.plan.start
             batches = max(self.batches - held, self._offset_batches)
-            state = LoaderState(self.epoch, batches, self.placement[1], offset,
+            state = LoaderState(KIND, self.epoch, batches, self.placement[1], offset,
                                 self._offset_batches, self._owner, fingerprint=self.fingerprint(),
-                                extra=self._order_state())
+                                parts=self._order_state())
         return state.to_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a cursor; the next ``begin_epoch`` continues exactly after its last batch."""
-        state = LoaderState.from_dict(state_dict, self.fingerprint())
+        state = LoaderState.from_dict(state_dict, KIND, self.fingerprint())
         self._check_cursor(state)
         self._pending = state
-        load = getattr(self.order, "load_state_dict", None)
-        if load is not None and ORDER_STATE in self._pending.extra:
-            load(self._pending.extra[ORDER_STATE])
+        if isinstance(self.order, Stateful) and ORDER_STATE in state.parts:
+            self.order.load_state_dict(state.parts[ORDER_STATE])
 
     def _check_cursor(self, state: LoaderState) -> None:
         """Refuse a cursor outside the plan it was counted in (a corrupted or edited state)."""
@@ -237,8 +202,7 @@ class MapSchedule:
 
     def _order_state(self) -> dict[str, Any]:
         """The order's own state (a drawn sampler's, re-weighted weights), if it has one."""
-        save = getattr(self.order, "state_dict", None)
-        return {} if save is None else {ORDER_STATE: save()}
+        return {ORDER_STATE: self.order.state_dict()} if isinstance(self.order, Stateful) else {}
 
 
 def _batch_requests(plan: EpochPlan, epoch: int, batches: int, offset_batches: int, rank: int,
@@ -301,20 +265,3 @@ def resolve_seed(seed: int | None, generator: torch.Generator | None = None) -> 
         return int(generator.initial_seed())
     return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
-
-def trainer_moved_on(trainer_epoch: int | None, owner: int | None) -> bool:
-    """Whether the trainer's epoch (its last ``set_epoch``) is later than the one the current
-    epoch began under (``owner``): the trainer has then abandoned the current epoch."""
-    return trainer_epoch is not None and owner is not None and trainer_epoch > owner
-
-
-def following_epoch(current: int | None, trainer_epoch: int | None, owner: int | None) -> int:
-    """The epoch to start when the current one (``None``: none yet) is finished or abandoned:
-    the next one, or the trainer's epoch when the trainer has moved past it (a fresh loader
-    starts at the trainer's epoch, else at 0)."""
-    if current is None:
-        return trainer_epoch if trainer_epoch is not None else 0
-    if trainer_moved_on(trainer_epoch, owner):
-        assert trainer_epoch is not None
-        return max(current + 1, trainer_epoch)
-    return current + 1

@@ -5,14 +5,14 @@ sent to the slots, and (unknown lengths under DDP) the ranks' agreement on batch
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from lightning_loaders.placement import resolve_rank_world
-from lightning_loaders.schedule.map_schedule import following_epoch, trainer_moved_on
+from lightning_loaders.collectives import agree_same, gather_by_rank
+from lightning_loaders.errors import StateMismatchError
+from lightning_loaders.schedule.epochs import EpochOwner
 from lightning_loaders.schedule.requests import SKIP, Cursor, Delivered, SlotEnd, SlotRequest
 from lightning_loaders.schedule.shard_plan import (
     Layout,
@@ -23,27 +23,22 @@ from lightning_loaders.schedule.shard_plan import (
 )
 from lightning_loaders.state import LoaderState
 
-__all__ = ["IterableSchedule", "agree_min"]
+__all__ = ["IterableSchedule"]
 
-_EXTRA_WORKERS, _EXTRA_ENDED, _EXTRA_SLOTS = "num_workers", "ended", "slots"
+KIND = "iterable"
+SLOTS = "slots"  # the part: {"per_rank": slots per rank, "ended": ..., "positions": [rank][slot]}
+_PER_RANK, _ENDED, _POSITIONS = "per_rank", "ended", "positions"
 
 
-class IterableSchedule:
-    """The epoch being delivered on this rank, its cursor, and its saved form.
-
-    Epoch ownership follows the core loader (``MapSchedule``): a restored cursor continues
-    unless it is at its epoch's end or the trainer has moved past the epoch it began under;
-    otherwise the following epoch starts.
-    """
+class IterableSchedule(EpochOwner):
+    """The epoch being delivered on this rank, its cursor, and its saved form; epochs are
+    owned as every schedule owns them (``EpochOwner``)."""
 
     def __init__(self, config: PlanConfig, slots: int, window: int, fingerprint: str,
                  rank: int | None, world_size: int | None) -> None:
         self.config, self.slots, self.window = config, slots, window
         self._fingerprint = fingerprint
-        self._explicit_placement = (rank, world_size)
-        self._placement: tuple[int, int] | None = None
-        self.epoch: int | None = None
-        self.batches = 0
+        super().__init__(rank, world_size)
         self.ended = False
         self.layout: Layout | None = None
         self.generation = 0
@@ -54,20 +49,11 @@ class IterableSchedule:
         self._received_cursors: list[Cursor] = []  # (unknown lengths)
         self._start_batches = 0
         self._undo: deque[tuple[int, Cursor]] = deque(maxlen=8)
-        self._pending: LoaderState | None = None
-        self._trainer_epoch: int | None = None
-        self._owner: int | None = None
+        self._stream_checked: int | None = None  # the epoch whose stream the ranks compared
 
     @property
     def known(self) -> bool:
         return self.config.lengths is not None
-
-    @property
-    def placement(self) -> tuple[int, int]:
-        """``(rank, world_size)``: fixed at the first epoch start, resolved afresh before it."""
-        if self._placement is not None:
-            return self._placement
-        return resolve_rank_world(*self._explicit_placement)
 
     @property
     def synced(self) -> bool:
@@ -88,27 +74,10 @@ class IterableSchedule:
 
     # -- epochs -----------------------------------------------------------------------------
 
-    def set_epoch(self, epoch: int) -> None:
-        """Record the trainer's epoch; it takes effect at the next epoch start."""
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
-        self._trainer_epoch = epoch
+    def _has_rest(self) -> bool:
+        return not self.ended
 
-    def begin_epoch(self) -> None:
-        """Fix placement and decide which epoch and batch come next."""
-        rank, world_size = self._placement = self.placement
-        pending, self._pending = self._pending, None
-        trainer = self._trainer_epoch
-        if pending is not None:
-            try:
-                self._resume(pending, rank, world_size)
-            except BaseException:
-                self._pending = pending  # nothing started: a corrected retry can still resume
-                raise
-            if not self.ended and not trainer_moved_on(trainer, self._owner):
-                return
-        epoch = following_epoch(self.epoch, trainer, self._owner)
-        self._owner = trainer
+    def _start_epoch(self, epoch: int, rank: int, world_size: int) -> None:
         layout = self._layout(epoch)
         self._begin(epoch, 0, _first_cursors(layout, rank), layout)
 
@@ -165,6 +134,24 @@ class IterableSchedule:
         """The epoch has no batch left on this rank."""
         self.ended = True
 
+    def check_same_stream(self, digest: Callable[[], int]) -> None:
+        """Unknown lengths under DDP, once per epoch before its first batch: refuse a plain
+        stream that does not begin with the same samples on every rank (``digest()``: of its
+        first samples). Ranks synchronise at run time in this mode anyway, so the one small
+        collective adds no new way to hang; resumed or restarted epochs are not checked."""
+        if not self.synced or self.batches or self._stream_checked == self.epoch:
+            return
+        self._stream_checked = self.epoch
+        if not agree_same(digest()):
+            raise ValueError(
+                f"the plain dataset's stream differs between ranks in epoch {self.epoch} (its "
+                "first samples do not match): the loader shards one stream over the ranks, so "
+                "data would be lost or repeated. The dataset probably splits itself by rank "
+                "(reading torch.distributed), or shuffles with a seed drawn in each process "
+                "(e.g. WebDataset(shardshuffle=...) without seed=). Pass the unsplit dataset "
+                "with a fixed seed, or a first-class source (lightning_loaders.sources: "
+                "HFSource, WebDatasetSource, ParquetSource)")
+
     def _layout(self, epoch: int) -> Layout:
         layout = plan_epoch(self.config, epoch, self.placement[1], self.slots)
         if self.synced and not (dist.is_available() and dist.is_initialized()):
@@ -186,8 +173,8 @@ class IterableSchedule:
             layout.num_batches is None and all(cursor.exhausted for cursor in cursors))
 
     def _resume(self, state: LoaderState, rank: int, world_size: int) -> None:
-        extra = state.extra
-        workers, ended = extra.get(_EXTRA_WORKERS), bool(extra.get(_EXTRA_ENDED, False))
+        slots = state.parts[SLOTS]
+        workers, ended = slots[_PER_RANK], bool(slots.get(_ENDED, False))
         self._owner = state.trainer_epoch
         if ended:
             self.epoch, self.batches, self.ended = state.epoch, state.batches, True
@@ -207,7 +194,7 @@ class IterableSchedule:
         elif self.known:
             cursors = self._derived_cursors(layout, rank, state.batches)
         else:
-            cursors = _saved_cursors(extra, rank, self.slots)
+            cursors = _saved_cursors(slots, rank, self.slots)
         self._begin(state.epoch, state.batches, cursors, layout)
 
     def _derived_cursors(self, layout: Layout, rank: int, batches: int) -> list[Cursor]:
@@ -239,7 +226,8 @@ class IterableSchedule:
         config = self.config
         return {"source": self._fingerprint, "strided": config.strided, "seed": config.seed,
                 "batch_size": config.batch_size, "last_batch": config.last_batch,
-                "shuffle": config.shuffle, "shuffle_buffer": self.window}
+                "shuffle": config.shuffle,
+                "shuffle_buffer": self.window if self.window > 1 else 0}
 
     def state_dict(self, held: int = 0) -> dict[str, Any]:
         """The cursor; ``held``: batches delivered but not yet used by the consumer.
@@ -250,32 +238,37 @@ class IterableSchedule:
         if self._pending is not None:
             return self._pending.to_dict()
         rank, world_size = self.placement
-        extra: dict[str, Any] = {_EXTRA_WORKERS: self.slots, _EXTRA_ENDED: False}
+        slots: dict[str, Any] = {_PER_RANK: self.slots, _ENDED: False}
         if self.epoch is None:
-            return LoaderState(self._trainer_epoch or 0, 0, world_size,
+            return LoaderState(KIND, self._trainer_epoch or 0, 0, world_size,
                                trainer_epoch=self._trainer_epoch,
-                               fingerprint=self.fingerprint(), extra=extra).to_dict()
+                               fingerprint=self.fingerprint(), parts={SLOTS: slots}).to_dict()
         held = min(held, self.batches - self._start_batches if self.known else len(self._undo))
-        extra[_EXTRA_ENDED] = self.ended and held == 0
+        slots[_ENDED] = self.ended and held == 0
         if not self.known:
             cursors = list(self.cursors)
             for slot, previous in list(self._undo)[len(self._undo) - held:][::-1]:
                 cursors[slot] = previous
-            extra[_EXTRA_SLOTS] = _gather([list(c) for c in cursors], rank, world_size)
-        return LoaderState(self.epoch, self.batches - held, world_size,
+            slots[_POSITIONS] = gather_by_rank([list(c) for c in cursors], rank, world_size)
+        return LoaderState(KIND, self.epoch, self.batches - held, world_size,
                            trainer_epoch=self._owner, fingerprint=self.fingerprint(),
-                           extra=extra).to_dict()
+                           parts={SLOTS: slots}).to_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a cursor; the next ``begin_epoch`` continues exactly after its last batch."""
-        state = LoaderState.from_dict(state_dict, self.fingerprint())
-        workers = state.extra.get(_EXTRA_WORKERS)
-        if not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"corrupted loader state: extra[{_EXTRA_WORKERS!r}]={workers!r} is "
-                             "not an int >= 1 (was it saved by a map-style loader?)")
-        if not self.known and state.batches and _EXTRA_SLOTS not in state.extra:
-            raise ValueError("corrupted loader state: a mid-epoch state of a dataset of unknown "
-                             f"length needs extra[{_EXTRA_SLOTS!r}] (the slots' positions)")
+        state = LoaderState.from_dict(state_dict, KIND, self.fingerprint())
+        slots = state.parts.get(SLOTS)
+        if not isinstance(slots, Mapping):
+            raise StateMismatchError(f"corrupted loader state: parts[{SLOTS!r}] is missing or "
+                                     f"not a dict: {slots!r}")
+        per_rank = slots.get(_PER_RANK)
+        if not isinstance(per_rank, int) or per_rank < 1:
+            raise StateMismatchError(f"corrupted loader state: parts[{SLOTS!r}] must hold "
+                                     f"{_PER_RANK!r}, an int >= 1; got {slots!r}")
+        if not self.known and state.batches and _POSITIONS not in slots:
+            raise StateMismatchError(
+                "corrupted loader state: a mid-epoch state of a dataset of unknown length "
+                f"needs parts[{SLOTS!r}][{_POSITIONS!r}] (the slots' positions)")
         self._pending = state
 
 
@@ -317,11 +310,11 @@ def _requests(generation: int, epoch: int, rank: int, world_size: int,
                 yield SKIP
 
 
-def _saved_cursors(extra: Any, rank: int, slots: int) -> list[Cursor]:
-    rows = extra.get(_EXTRA_SLOTS)
+def _saved_cursors(saved: Mapping[str, Any], rank: int, slots: int) -> list[Cursor]:
+    rows = saved.get(_POSITIONS)
     if not isinstance(rows, list) or rank >= len(rows):
-        raise ValueError(f"corrupted loader state: extra[{_EXTRA_SLOTS!r}] has no entry for "
-                         f"rank {rank}")
+        raise StateMismatchError(f"corrupted loader state: parts[{SLOTS!r}][{_POSITIONS!r}] has "
+                                 f"no entry for rank {rank}")
     row = rows[rank]
     if row is None:
         raise ValueError(
@@ -330,30 +323,10 @@ def _saved_cursors(extra: Any, rank: int, slots: int) -> list[Cursor]:
             "torch.distributed initialised (every rank calling state_dict()), or restore each "
             "rank from its own state")
     if not isinstance(row, list) or len(row) != slots:
-        raise ValueError(f"corrupted loader state: rank {rank} has {len(row)} slot positions, "
-                         f"this loader {slots}")
+        raise StateMismatchError(f"corrupted loader state: rank {rank} has {len(row)} slot "
+                                 f"positions, this loader {slots}")
     try:
         return [Cursor(*entry) for entry in row]
     except TypeError as exc:
-        raise ValueError(f"corrupted loader state: bad slot position in {row!r}") from exc
+        raise StateMismatchError(f"corrupted loader state: bad slot position in {row!r}") from exc
 
-
-def _gather(rows: list[list[Any]], rank: int, world_size: int) -> list[Any]:
-    """Every rank's slot positions (only this rank's without a process group)."""
-    if world_size > 1 and dist.is_available() and dist.is_initialized():
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, rows)
-        return gathered
-    out: list[Any] = [None] * world_size
-    out[rank] = rows
-    return out
-
-
-def agree_min(value: int) -> int:
-    """The minimum of ``value`` over all ranks (one small ``all_reduce``)."""
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-    return int(tensor.item())

@@ -22,7 +22,6 @@ shards themselves.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 import struct
@@ -32,12 +31,15 @@ from typing import IO, Any, Literal, TypeVar
 
 from torch.utils.data import IterableDataset
 
+from lightning_loaders.hashing import digest
+
 __all__ = [
     "GeneratorSource",
     "LineFiles",
     "RecordFiles",
     "SequenceSource",
     "ShardedSource",
+    "checked_lengths",
     "count_records",
     "write_records",
 ]
@@ -75,7 +77,7 @@ class ShardedSource(IterableDataset[T]):
         """Changes whenever the shards would read differently; checked on resume."""
         lengths = self.shard_lengths
         return (f"{type(self).__name__}:{len(self.shards)} shards:"
-                f"{_digest(lengths) if lengths is not None else 'unknown lengths'}")
+                f"{digest(list(lengths)) if lengths is not None else 'unknown lengths'}")
 
     def __iter__(self) -> Iterator[T]:
         """Every shard in order, unsharded (what a plain ``DataLoader`` would read)."""
@@ -128,7 +130,7 @@ class GeneratorSource(ShardedSource[T]):
                  lengths: Sequence[int] | None = None, seekable: bool = False) -> None:
         self.fn = fn
         self._shards = list(shards)
-        self._lengths = _checked_lengths(lengths, len(self._shards))
+        self._lengths = checked_lengths(lengths, len(self._shards))
         self.seekable = seekable
         if not self._shards:
             raise ValueError("GeneratorSource needs at least one shard")
@@ -168,7 +170,7 @@ class _FileShards(ShardedSource[T]):
         if lengths == "scan":
             self._lengths: list[int] | None = [self._count(path) for path in self.paths]
         else:
-            self._lengths = _checked_lengths(lengths, len(self.paths))
+            self._lengths = checked_lengths(lengths, len(self.paths))
 
     @property
     def shards(self) -> list[str]:
@@ -181,7 +183,7 @@ class _FileShards(ShardedSource[T]):
     @property
     def fingerprint(self) -> str:
         names = [os.path.basename(path) for path in self.paths]
-        return f"{super().fingerprint}:files {_digest(names)}"
+        return f"{super().fingerprint}:files {digest(names)}"
 
     @abstractmethod
     def _count(self, path: str) -> int:
@@ -352,45 +354,9 @@ def count_records(path: str | os.PathLike[str]) -> int:
     return count
 
 
-class PlainStream(ShardedSource[Any]):
-    """A plain ``IterableDataset`` seen as one shard: the strided fallback's source.
-
-    Every reader iterates the whole dataset and keeps its share; ``start`` is reached by
-    skipping. ``set_epoch`` is forwarded, so a dataset that reshuffles per epoch stays the same
-    stream in every process of that epoch.
-    """
-
-    def __init__(self, dataset: IterableDataset[Any]) -> None:
-        self.dataset = dataset
-
-    @property
-    def shards(self) -> list[IterableDataset[Any]]:
-        return [self.dataset]
-
-    @property
-    def shard_lengths(self) -> list[int] | None:
-        try:
-            return [len(self.dataset)]  # type: ignore[arg-type]
-        except TypeError:
-            return None
-
-    def open_shard(self, index: int, start: int = 0,
-                   state: Mapping[str, Any] | None = None) -> Iterator[Any]:
-        return itertools.islice(iter(self.dataset), start, None)
-
-    def set_epoch(self, epoch: int) -> None:
-        set_epoch = getattr(self.dataset, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)
-
-    @property
-    def fingerprint(self) -> str:
-        lengths = self.shard_lengths
-        size = lengths[0] if lengths is not None else "unknown length"
-        return f"{type(self.dataset).__name__}:{size}"
-
-
-def _checked_lengths(lengths: Any, count: int) -> list[int] | None:
+def checked_lengths(lengths: Any, count: int) -> list[int] | None:
+    """``lengths`` as a list of ``count`` ints >= 0 (``None`` stays ``None``), or a
+    ``ValueError`` naming what is wrong."""
     if lengths is None:
         return None
     if isinstance(lengths, str):
@@ -402,7 +368,3 @@ def _checked_lengths(lengths: Any, count: int) -> list[int] | None:
     if bad:
         raise ValueError(f"shard lengths must be ints >= 0, got {bad[:5]}")
     return values
-
-
-def _digest(values: Iterable[Any]) -> str:
-    return hashlib.blake2b(repr(list(values)).encode(), digest_size=8).hexdigest()

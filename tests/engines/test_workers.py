@@ -22,7 +22,7 @@ from tests.conftest import IndexDataset, loader_processes
 from tests.lightning_harness import RecordingModule, make_trainer
 from tests.scripts.chaos_train import TrainingZygote, read_log
 
-LOGGER = "lightning_loaders.loaders.base"
+LOGGER = "lightning_loaders.loaders.worker_loader"
 
 
 def indices(batch) -> list[int]:

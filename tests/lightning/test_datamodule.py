@@ -15,7 +15,7 @@ from lightning_loaders.loaders.convert import make_resumable
 from lightning_loaders.orders.dynamic_weighted import DynamicWeightedSampler
 from lightning_loaders.testing import checkpoint_roundtrip, run_epochs, set_epoch
 from tests.conftest import IndexDataset
-from tests.ddp_harness import run_ddp
+from tests.ddp_harness import REPO, run_ddp
 from tests.lightning_harness import (
     RecordingModule,
     checkpoint_at,
@@ -24,7 +24,7 @@ from tests.lightning_harness import (
 )
 from tests.scripts import datamodule_ddp as ddp
 
-SCRIPT = Path(__file__).parent / "scripts" / "datamodule_ddp.py"
+SCRIPT = REPO / "tests" / "scripts" / "datamodule_ddp.py"
 
 
 def indices(batch) -> list[int]:

@@ -12,7 +12,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_loaders import ResumableLoader
 from lightning_loaders.errors import WorkerCrashedError
+from lightning_loaders.loaders.convert import make_resumable
 from lightning_loaders.loaders.iterable import ResumableIterableLoader
+from lightning_loaders.loaders.map_style import MapStyleLoader
 from lightning_loaders.sources.shards import LineFiles, RecordFiles, SequenceSource, write_records
 from lightning_loaders.testing import check_resume_at_every_step, run_epochs, set_epoch
 from tests.conftest import IndexDataset, loader_processes
@@ -94,7 +96,10 @@ def test_resumable_loader_returns_the_iterable_loader_for_iterable_datasets() ->
     for dataset in (SequenceSource([[1, 2, 3]]), Counting(5)):
         loader = ResumableLoader(dataset, batch_size=2, seed=1, shuffle_buffer=0)
         assert type(loader) is ResumableIterableLoader and loader.seed == 1
-    assert type(ResumableLoader(IndexDataset(4), batch_size=2)) is ResumableLoader
+        assert isinstance(loader, ResumableLoader)
+        assert make_resumable(loader) is loader
+    map_style = ResumableLoader(IndexDataset(4), batch_size=2)
+    assert type(map_style) is MapStyleLoader and isinstance(map_style, ResumableLoader)
     assert [flat(b) for b in ResumableLoader(SequenceSource([[1, 2, 3]]), batch_size=2)] == [
         [1, 2], [3]]
 
@@ -223,14 +228,14 @@ def test_state_is_tiny_with_known_lengths_and_holds_every_slot_without(record_fi
                             batch_size=4, num_workers=2)
     next(iter(known))
     state = known.state_dict()
-    assert "slots" not in state["extra"] and len(pickle.dumps(state)) < 1024
+    assert "positions" not in state["parts"]["slots"] and len(pickle.dumps(state)) < 1024
     known.close()
     unknown = ResumableLoader(RecordFiles(record_files, decode=decode), batch_size=4,
                               num_workers=2)
     iterator = iter(unknown)
     for _ in range(3):
         next(iterator)
-    slots = unknown.state_dict()["extra"]["slots"]
+    slots = unknown.state_dict()["parts"]["slots"]["positions"]
     assert len(slots) == 1 and len(slots[0]) == 2
     batches, emitted, _, _, offset, reader_state, exhausted = slots[0][0]
     assert (batches, emitted, exhausted) == (2, 8, False)
@@ -299,7 +304,7 @@ def test_a_cursor_after_the_last_batch_starts_the_next_epoch_even_with_unknown_l
 
     expected = run_epochs(make(), range(2), key=flat)
     state = _partial_state(make, len(expected[0]))  # no StopIteration seen yet
-    assert state["extra"]["ended"]
+    assert state["parts"]["slots"]["ended"]
     resumed = make()
     resumed.load_state_dict(state)
     assert [flat(b) for b in resumed] == expected[1]
@@ -385,7 +390,7 @@ def test_errors_name_the_shard_slot_and_epoch(workers) -> None:
     loader.close()
     broken = ResumableLoader(_Broken([[0, 1], list(range(10, 20))]), batch_size=2,
                              num_workers=workers)
-    where = (r"batch 2 of slot 0 \(shard 1, reading from sample 2\) in epoch 0" if workers == 0
+    where = (r"batch 2 of slot 0 \(shard 1, reading from sample 2\) of epoch 0" if workers == 0
              else r"epoch 0")
     with pytest.raises(Exception, match=rf"KeyError.*{where}") as info:
         list(broken)

@@ -173,7 +173,8 @@ def test_a_state_of_another_dataset_or_configuration_is_refused_naming_both_valu
 
 
 CORRUPTED = [  # (changes to a valid state: None deletes the key, or a whole non-state)
-    ({"version": 99}, r"unsupported state version: saved 99, this loader reads version 1"),
+    ({"version": 99}, r"unsupported state version: saved 99, this loader reads version 2"),
+    ({"kind": "iterable"}, r"saved by a loader of kind 'iterable'"),
     ({"version": None}, r"unsupported state version: saved None"),
     ([1, 2, 3], r"a loader state must be a dict, got list"),
     ("not a state", r"a loader state must be a dict, got str"),
@@ -188,7 +189,7 @@ CORRUPTED = [  # (changes to a valid state: None deletes the key, or a whole non
     ({"offset_position": 25}, r"epoch 0 from position 25 on world size 1 has no plan"),
     ({"fingerprint": [("seed", 1)]}, r"fingerprint=\[\('seed', 1\)\] is not a dict"),
     ({"fingerprint": None}, r"dataset_len: saved None, this loader 20"),
-    ({"extra": 7}, r"extra=7 is not a dict"),
+    ({"parts": 7}, r"parts=7 is not a dict"),
 ]
 
 

@@ -1,10 +1,6 @@
-"""What the loaders built on torch's worker machinery share.
-
-``ResumableLoader`` (map-style) and ``ResumableIterableLoader`` differ in their plan and in how
-they deliver; they share ``DataLoader``'s attributes and worker options, the iterator rule (a
-newer ``iter()`` replaces older iterators), the epoch surface Lightning calls, shutdown on
-``close()``, ``with`` and Lightning's loop teardown, and the pool of torch workers with its
-crash and stall errors. ``DeliveringIterator`` is the iterator of the DALI and FFCV adapters.
+"""``WorkerLoader``: the delivery core plus what the loaders built on torch's worker machinery
+share: ``DataLoader``'s attributes and worker options, the pool of torch workers (persistent,
+restarted from the cursor after a crash), and the crash and stall errors.
 """
 
 from __future__ import annotations
@@ -12,9 +8,8 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-import weakref
-from collections.abc import Callable, Iterator
-from typing import Any, Self
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
@@ -30,108 +25,67 @@ from lightning_loaders.errors import (
     describe_exit,
 )
 from lightning_loaders.hashing import mix64
-from lightning_loaders.loaders.options import check_loader_arguments, check_picklable, start_method
-from lightning_loaders.loaders.prefetch import find_prefetcher
+from lightning_loaders.loaders.delivery import DeliveryCore
+from lightning_loaders.loaders.options import (
+    LoaderOptions,
+    check_loader_arguments,
+    check_picklable,
+    start_method,
+)
 from lightning_loaders.schedule.map_schedule import resolve_seed
 
-__all__ = [
-    "DeliveringIterator",
-    "EpochSampler",
-    "SizedEpochSampler",
-    "WorkerLoader",
-    "check_current",
-]
+__all__ = ["WorkerLoader"]
 
 _log = logging.getLogger(__name__)
 
 
-class WorkerLoader:
+class WorkerLoader(DeliveryCore):
     """Base of the loaders that run torch's worker processes (see the module docstring).
 
-    A subclass calls ``_take_options`` in its constructor, sets ``schedule`` (anything with
-    ``epoch``, ``set_epoch`` and ``placement``), and implements ``_new_iterator`` and
-    ``_position`` (the batch due next, named in errors).
+    A subclass calls ``_take_options`` in its constructor, sets ``schedule`` and implements
+    the delivery core's hooks and ``_position`` (the batch due next, named in errors).
     """
 
     schedule: Any
 
-    def _take_options(
-        self,
-        dataset: Any,
-        *,
-        batch_size: int | None,
-        num_workers: int,
-        collate_fn: Callable[[list[Any]], Any] | None,
-        pin_memory: bool,
-        drop_last: bool,
-        timeout: float,
-        worker_init_fn: Callable[[int], None] | None,
-        multiprocessing_context: Any,
-        generator: torch.Generator | None,
-        prefetch_factor: int | None,
-        persistent_workers: bool | None,
-        pin_memory_device: str,
-        in_order: bool,
-        seed: int | None,
-        on_error: OnError,
-        max_worker_restarts: int,
-    ) -> None:
+    def _take_options(self, dataset: Any, options: LoaderOptions, *, drop_last: bool) -> None:
         """Check and keep ``DataLoader``'s arguments (as its attributes) and the worker
-        options; the dataset, collate_fn and worker_init_fn must pickle for workers."""
+        options; the dataset, collate_fn and worker_init_fn must pickle for workers.
+        ``drop_last`` is what the resolved last-batch policy says."""
+        o = options
         check_loader_arguments(
-            batch_size=batch_size, num_workers=num_workers, timeout=timeout,
-            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-            collate_fn=collate_fn, worker_init_fn=worker_init_fn,
-            multiprocessing_context=multiprocessing_context, on_error=on_error,
-            max_worker_restarts=max_worker_restarts)
-        assert batch_size is not None
-        if not in_order:
+            batch_size=o.batch_size, num_workers=o.num_workers, timeout=o.timeout,
+            prefetch_factor=o.prefetch_factor, persistent_workers=o.persistent_workers,
+            collate_fn=o.collate_fn, worker_init_fn=o.worker_init_fn,
+            multiprocessing_context=o.multiprocessing_context, on_error=o.on_error,
+            max_worker_restarts=o.max_worker_restarts)
+        assert o.batch_size is not None
+        if not o.in_order:
             warnings.warn("in_order=False is ignored: exact resume needs batches in plan order",
-                          stacklevel=3)
-        if num_workers > 0:
-            check_picklable(start_method(multiprocessing_context), dataset=dataset,
-                            collate_fn=collate_fn, worker_init_fn=worker_init_fn)
+                          stacklevel=4)
+        if o.num_workers > 0:
+            check_picklable(start_method(o.multiprocessing_context), dataset=dataset,
+                            collate_fn=o.collate_fn, worker_init_fn=o.worker_init_fn)
         self.dataset = dataset
-        self.batch_size: int = batch_size
-        self.num_workers = num_workers
-        self.collate_fn = collate_fn
-        self.pin_memory = pin_memory
+        self.batch_size: int = o.batch_size
+        self.num_workers = o.num_workers
+        self.collate_fn = o.collate_fn
+        self.pin_memory = o.pin_memory
         self.drop_last = drop_last
-        self.timeout = timeout
-        self.worker_init_fn = worker_init_fn
-        self.multiprocessing_context = multiprocessing_context
-        self.generator = generator
-        self.prefetch_factor = prefetch_factor
-        self.persistent_workers = num_workers > 0 and persistent_workers is not False
-        self.pin_memory_device = pin_memory_device
-        self.seed = resolve_seed(seed, generator)
-        self.on_error: OnError = on_error
-        self.max_worker_restarts = max_worker_restarts
-        self._iter_token = 0
-        self._prefetcher: weakref.ref[Any] | None = None
+        self.timeout = o.timeout
+        self.worker_init_fn = o.worker_init_fn
+        self.multiprocessing_context = o.multiprocessing_context
+        self.generator = o.generator
+        self.prefetch_factor = o.prefetch_factor
+        self.persistent_workers = o.num_workers > 0 and o.persistent_workers is not False
+        self.pin_memory_device = o.pin_memory_device
+        self.seed = resolve_seed(o.seed, o.generator)
+        self.on_error: OnError = o.on_error
+        self.max_worker_restarts = o.max_worker_restarts
         self._torch_loader: DataLoader[Any] | None = None
-        self._generation = 0  # bumped by close(): iterators then go on from the cursor
         self._epoch_restarts = 0
         self.worker_restarts = 0
         """Worker restarts after crashes in this process (all epochs)."""
-
-    # -- the DataLoader surface -------------------------------------------------------------
-
-    def __iter__(self) -> Iterator[Any]:
-        """A new iterator. Cheap: the epoch and the workers start at its first ``next()``."""
-        self._iter_token += 1
-        self._prefetcher = find_prefetcher()
-        return self._new_iterator(self._iter_token)
-
-    @property
-    def epoch(self) -> int | None:
-        """The epoch being delivered (``None`` before the first batch)."""
-        return self.schedule.epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Ask for ``epoch`` at the next epoch start; a restored cursor wins over an earlier
-        or equal epoch, a later one abandons the cursor's unfinished epoch."""
-        self.schedule.set_epoch(epoch)
 
     def close(self) -> None:
         """Shut the worker processes down now (they also stop when the loader is collected).
@@ -140,30 +94,10 @@ class WorkerLoader:
         from the cursor.
         """
         loader, self._torch_loader = self._torch_loader, None
-        self._generation += 1
+        super().close()
         shutdown(getattr(loader, "_iterator", None))
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    @property
-    def _iterator(self) -> None:
-        """Lightning's loop teardown (end of ``fit``, exceptions, Ctrl-C, SIGTERM) stops a
-        loader's workers by setting ``loader._iterator = None``: that closes this loader."""
-        return None
-
-    @_iterator.setter
-    def _iterator(self, value: object) -> None:
-        if value is None:
-            self.close()
-
     # -- for subclasses ---------------------------------------------------------------------
-
-    def _new_iterator(self, token: int) -> Iterator[Any]:
-        raise NotImplementedError
 
     def _position(self) -> int:
         """The batch of the current epoch due next on this rank (named in errors)."""
@@ -236,59 +170,6 @@ class WorkerLoader:
             "See what that process is doing (e.g. py-spy dump --pid PID), or raise timeout",
             worker=stalled.worker, pid=stalled.pid, timeout=stalled.timeout, epoch=epoch,
             batch=batch, rank=rank)
-
-
-class DeliveringIterator:
-    """An adapter's iterator: the loader's ``_begin_epoch()`` at the first ``next()`` gives
-    the batches, each counted by ``schedule.delivered()`` as it is handed to the caller (never
-    when the engine prefetches it); a newer ``iter()`` on the loader replaces it."""
-
-    def __init__(self, loader: Any, token: int) -> None:
-        self._loader = loader
-        self._token = token
-        self._batches: Iterator[Any] | None = None
-
-    def __iter__(self) -> DeliveringIterator:
-        return self
-
-    def __next__(self) -> Any:
-        loader = self._loader
-        check_current(loader, self._token)
-        if self._batches is None:
-            self._batches = loader._begin_epoch()
-        batch = next(self._batches)
-        loader.schedule.delivered()
-        return batch
-
-
-def check_current(loader: Any, token: int) -> None:
-    """Refuse an iterator that a newer ``iter()`` on its loader replaced (``token`` is the
-    iterator's, ``loader._iter_token`` the newest)."""
-    if loader._iter_token != token:
-        raise RuntimeError("this iterator was replaced by a newer iter() on its loader")
-
-
-class EpochSampler:
-    """What Lightning sees as ``loader.sampler``: forwards ``set_epoch`` to ``target`` (a
-    schedule, or a weak proxy of a loader whose schedule is built later).
-
-    It never holds a loader strongly, so there is no reference cycle: a dropped loader (and its
-    workers) goes at once, not at a later garbage collection that a forked worker could run on
-    its copy.
-    """
-
-    def __init__(self, target: Any) -> None:
-        self._target = target
-
-    def set_epoch(self, epoch: int) -> None:
-        self._target.set_epoch(epoch)
-
-
-class SizedEpochSampler(EpochSampler):
-    """An ``EpochSampler`` whose ``len()`` is the samples this rank reads per epoch."""
-
-    def __len__(self) -> int:
-        return int(self._target.samples_per_epoch())
 
 
 class _WorkerStart:

@@ -1,0 +1,231 @@
+"""The delivery core every loader of this package shares, adapters included.
+
+A loader is a schedule (the plan and the cursor) and an engine (what turns the plan into
+batches). What users and Lightning see is the same for all of them and lives here once:
+
+- ``iter()`` is cheap and replaces older iterators; the epoch and the engine start at the
+  first ``next()`` (Lightning calls ``iter()`` once extra during setup);
+- a batch is counted when it is handed to the caller, never when it is prefetched, and batches
+  a prefetching trainer holds are left out of ``state_dict()``;
+- ``sampler.set_epoch`` (what Lightning calls), ``epoch``, ``len()``;
+- ``close()``, ``with``, and Lightning's loop teardown; an iterator used after ``close()`` or
+  after an error goes on from the cursor;
+- ``repr()`` says where the loader is.
+
+A loader implements ``_open_epoch`` (decide the epoch and open the engine at the cursor),
+``_reopen`` (the rest of the current epoch from the cursor, after an error or ``close()``),
+``_describe`` (its own ``repr`` fields) and extends ``close``; the iterators they return count
+each batch with the schedule as they hand it over (``counted`` does it for an engine that
+yields plain batches).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Protocol, Self
+
+from lightning_loaders.loaders.prefetch import batches_held, find_prefetcher
+from lightning_loaders.state import PARTS
+
+__all__ = [
+    "Delivery",
+    "DeliveryCore",
+    "EpochSampler",
+    "Schedule",
+    "SizedEpochSampler",
+    "counted",
+]
+
+
+class Schedule(Protocol):
+    """What the delivery core needs of a schedule (``MapSchedule``, ``IterableSchedule``)."""
+
+    epoch: int | None
+    batches: int
+
+    @property
+    def placement(self) -> tuple[int, int]: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def begin_epoch(self) -> None: ...
+
+    def num_batches(self) -> int: ...
+
+    def state_dict(self, held: int = 0) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class DeliveryCore:
+    """The loader surface shared by every loader (see the module docstring).
+
+    A subclass sets ``schedule``, ``seed`` and ``sampler`` and implements ``_open_epoch``,
+    ``_reopen`` and ``_describe``.
+    """
+
+    schedule: Schedule
+    seed: int
+    sampler: Any
+    _iter_token = 0
+    _generation = 0  # bumped by close(): iterators then go on from the cursor
+    _prefetcher: weakref.ref[Any] | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        """A new iterator. Cheap: the epoch and the engine start at its first ``next()``."""
+        self._iter_token += 1
+        self._prefetcher = find_prefetcher()
+        return Delivery(self, self._iter_token)
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (equal on every rank)."""
+        return self.schedule.num_batches()
+
+    def __repr__(self) -> str:
+        schedule = self.schedule
+        rank, world_size = schedule.placement
+        epoch = "not started" if schedule.epoch is None else schedule.epoch
+        fields = ", ".join(self._describe())
+        return (f"{type(self).__name__}({fields}, rank={rank}/{world_size}, seed={self.seed}, "
+                f"epoch={epoch}, batches={schedule.batches})")
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch being delivered (``None`` before the first batch)."""
+        return self.schedule.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Ask for ``epoch`` at the next epoch start; a restored cursor wins over an earlier
+        or equal epoch, a later one abandons the cursor's unfinished epoch."""
+        self.schedule.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor as a small plain dict (``lightning_loaders.state``), with this loader's
+        own parts; batches a prefetching trainer holds are not counted, so a resume delivers
+        them again."""
+        held = batches_held(self._prefetcher)
+        state = self.schedule.state_dict(held=held)
+        state[PARTS] = {**state[PARTS], **self._parts(held)}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a cursor; the next ``iter()`` continues exactly after its last batch. A
+        state that cannot be restored changes nothing."""
+        parts = state_dict.get(PARTS) if isinstance(state_dict, Mapping) else None
+        if isinstance(parts, Mapping):
+            self._check_parts(parts)
+        self.schedule.load_state_dict(state_dict)
+        self._load_parts(state_dict[PARTS])
+
+    def close(self) -> None:
+        """Stop the engine now; an iterator used afterwards goes on from the cursor."""
+        self._generation += 1
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def _iterator(self) -> None:
+        """Lightning's loop teardown (end of ``fit``, exceptions, Ctrl-C, SIGTERM) stops a
+        loader's workers by setting ``loader._iterator = None``: that closes this loader."""
+        return None
+
+    @_iterator.setter
+    def _iterator(self, value: object) -> None:
+        if value is None:
+            self.close()
+
+    def _open_epoch(self) -> Iterator[Any]:
+        """Decide which epoch and batch come next (``schedule.begin_epoch()``) and return the
+        rest of that epoch, each batch counted as it is handed over."""
+        raise NotImplementedError
+
+    def _reopen(self) -> Iterator[Any]:
+        """The rest of the current epoch from the delivered cursor (after an error or
+        ``close()``), each batch counted as it is handed over."""
+        raise NotImplementedError
+
+    def _describe(self) -> list[str]:
+        """This loader's own ``repr`` fields (dataset, batch size, ...)."""
+        raise NotImplementedError
+
+    def _parts(self, held: int) -> dict[str, Any]:
+        """This loader's own components' states, by name, beside the schedule's (``held``:
+        batches delivered but not yet used)."""
+        return {}
+
+    def _check_parts(self, parts: Mapping[str, Any]) -> None:
+        """Refuse, before anything changes, parts that ``_load_parts`` could not restore."""
+
+    def _load_parts(self, parts: Mapping[str, Any]) -> None:
+        """Restore what ``_parts`` saved (the state has been checked already)."""
+
+
+class Delivery:
+    """A loader's iterator: opens the epoch at the first ``next()``, goes on from the cursor
+    after an error or ``close()``, and refuses to run once a newer ``iter()`` replaced it."""
+
+    def __init__(self, loader: DeliveryCore, token: int) -> None:
+        self._loader = loader
+        self._token = token
+        self._batches: Iterator[Any] | None = None
+        self._generation = -1
+        self._started = False
+
+    def __iter__(self) -> Delivery:
+        return self
+
+    def __next__(self) -> Any:
+        loader = self._loader
+        if loader._iter_token != self._token:
+            raise RuntimeError("this iterator was replaced by a newer iter() on its loader")
+        if self._batches is None or self._generation != loader._generation:
+            self._batches = loader._reopen() if self._started else loader._open_epoch()
+            self._started = True
+            self._generation = loader._generation
+        try:
+            batch = next(self._batches)
+        except StopIteration:
+            raise
+        except BaseException:
+            self._batches = None
+            loader.close()
+            raise
+        # An engine restarted inside next() (after a worker crash) is current; a close()
+        # between two calls is not, and reopens at the cursor.
+        self._generation = loader._generation
+        return batch
+
+
+def counted(batches: Iterable[Any], schedule: Any) -> Iterator[Any]:
+    """``batches``, each counted with ``schedule.delivered()`` as it is handed over."""
+    for batch in batches:
+        schedule.delivered()
+        yield batch
+
+
+class EpochSampler:
+    """What Lightning sees as ``loader.sampler``: forwards ``set_epoch`` to ``target`` (a
+    schedule, or a weak proxy of a loader whose schedule is built later).
+
+    It never holds a loader strongly, so there is no reference cycle: a dropped loader (and its
+    workers) goes at once, not at a later garbage collection that a forked worker could run on
+    its copy.
+    """
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+
+    def set_epoch(self, epoch: int) -> None:
+        self._target.set_epoch(epoch)
+
+
+class SizedEpochSampler(EpochSampler):
+    """An ``EpochSampler`` whose ``len()`` is the samples this rank reads per epoch."""
+
+    def __len__(self) -> int:
+        return int(self._target.samples_per_epoch())

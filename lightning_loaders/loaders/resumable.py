@@ -1,0 +1,126 @@
+"""``ResumableLoader``: the one public loader signature (``DataLoader``'s arguments plus ours),
+and the choice of the loader for a dataset.
+
+``ResumableLoader(dataset, ...)`` returns a ``MapStyleLoader`` for a map-style dataset and a
+``ResumableIterableLoader`` for an iterable one; both are ``ResumableLoader``s, so
+``isinstance``, ``make_resumable`` and the data module treat them alike. Each is a configuration
+of a schedule and an engine, built from the same ``LoaderOptions``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, IterableDataset, Sampler
+
+from lightning_loaders.engines.faults import OnError
+from lightning_loaders.loaders.options import LoaderOptions
+from lightning_loaders.loaders.worker_loader import WorkerLoader
+from lightning_loaders.orders.base import SampleOrder
+from lightning_loaders.schedule.map_plan import LastBatch
+
+__all__ = ["ResumableLoader"]
+
+
+class ResumableLoader(WorkerLoader):
+    """A deterministic, distributed, exactly resumable ``torch.utils.data.DataLoader``.
+
+    Takes ``DataLoader``'s keyword arguments, plus:
+
+    Args:
+        seed: keys every shuffle; defaults to ``generator.initial_seed()`` when a generator is
+            given, else ``$PL_GLOBAL_SEED`` (set by ``seed_everything``), else 0.
+        last_batch: ``"keep"`` (default), ``"drop"`` (what ``drop_last=True`` means), ``"pad"``
+            (wrap around to fill the last global batch) or ``"rollover"`` (leftovers open the
+            next epoch).
+        rank, world_size: explicit placement; by default resolved at the first ``next()`` from
+            the process group or the ``RANK``/``WORLD_SIZE`` environment.
+        on_error: ``"raise"`` (default): an exception in ``__getitem__``, a transform or
+            ``collate_fn`` is re-raised in the main process as ``SampleFetchError`` naming the
+            sample (dataset index and epoch position), batch, epoch, worker and rank, chained to
+            the original exception (with the worker's traceback). ``"skip"``: a sample whose
+            fetch raises is left out of its batch (which is then shorter; a batch with no sample
+            left is not delivered) and recorded in ``skipped``. Skipping is deterministic when
+            the same samples always fail, and a resume skips them again; ``collate_fn`` errors
+            are always raised.
+        max_worker_restarts: a worker process that dies (killed by a signal, e.g. the
+            out-of-memory killer) is replaced, with all workers restarted from the cursor, so
+            the stream goes on exactly as without the crash; at most this many times per epoch
+            (default 3), then ``WorkerCrashedError``. ``0`` raises at the first crash.
+        evaluation: for validation/test/predict: with ``last_batch="keep"`` and
+            ``batch_size=1``, leftover samples (fewer than ranks) join the last batch of the
+            first ranks instead of failing, so every sample is read once and every rank has the
+            same number of batches.
+        shuffle_buffer, sync_interval: for iterable datasets (``ResumableIterableLoader``,
+            which an iterable dataset gets); a map-style dataset refuses them.
+
+    ``timeout`` raises ``WorkerTimeoutError`` naming the worker whose batch is late. Workers
+    stop on ``close()`` (also used as ``with loader:``), when the loader is collected, and when
+    a Lightning ``Trainer`` tears its loop down (end of ``fit``, an exception, Ctrl-C,
+    SIGTERM).
+
+    Unlike ``DataLoader``, workers are persistent between epochs unless
+    ``persistent_workers=False``, and ``in_order`` is always honoured as ``True``. In-memory
+    data (tensors, numeric arrays, ``TensorDataset`` and the like, with the default collate) is
+    gathered a whole batch at a time in the main process whatever ``num_workers`` is, unless a
+    ``worker_init_fn`` or ``pin_memory`` asks for workers: no user code runs per sample, and a
+    batch sent from a worker process would cost more than gathering it.
+    """
+
+    def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """Pick the loader for ``dataset``: ``ResumableIterableLoader`` for an iterable
+        dataset, ``MapStyleLoader`` otherwise (a subclass named directly is kept)."""
+        if cls is ResumableLoader:
+            from lightning_loaders.loaders.iterable import ResumableIterableLoader
+            from lightning_loaders.loaders.map_style import MapStyleLoader
+
+            iterable = isinstance(dataset, IterableDataset)
+            cls = ResumableIterableLoader if iterable else MapStyleLoader
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Sampler[Any] | SampleOrder | None = None,
+        batch_sampler: BatchSampler | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool | None = None,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        seed: int | None = None,
+        last_batch: LastBatch | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        on_error: OnError = "raise",
+        max_worker_restarts: int = 3,
+        evaluation: bool = False,
+        shuffle_buffer: int = 0,
+        sync_interval: int = 8,
+    ) -> None:
+        self._configure(dataset, LoaderOptions(
+            batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
+            num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,
+            drop_last=drop_last, timeout=timeout, worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context, generator=generator,
+            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device, in_order=in_order, seed=seed,
+            last_batch=last_batch, rank=rank, world_size=world_size, on_error=on_error,
+            max_worker_restarts=max_worker_restarts, evaluation=evaluation,
+            shuffle_buffer=shuffle_buffer, sync_interval=sync_interval))
+
+    def _configure(self, dataset: Any, options: LoaderOptions) -> None:
+        """Check ``options`` for this kind of dataset and build the schedule and engine."""
+        raise NotImplementedError

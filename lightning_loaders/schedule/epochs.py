@@ -1,0 +1,115 @@
+"""``EpochOwner``: what every schedule shares. Placement is resolved lazily, the trainer's epoch
+is recorded by ``set_epoch``, and at each epoch start the schedule decides whether a restored
+cursor continues or the next epoch begins.
+
+The rule (Lightning may create an iterator before calling ``set_epoch`` on a restart, and may
+pass a stale epoch, #21938):
+
+- a restored cursor continues, unless it is at its epoch's end or the trainer has moved to a
+  later epoch than the one the cursor's epoch began under;
+- otherwise the next epoch starts: one past the current epoch, or the trainer's epoch if that
+  is later (so an unfinished epoch's tail is abandoned, as after ``limit_train_batches``).
+
+The trainer epoch an epoch began under (its *owner*) is saved with the cursor, so a restored
+schedule makes exactly the decision the uninterrupted one would have made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_loaders.placement import resolve_rank_world
+from lightning_loaders.state import LoaderState
+
+__all__ = ["EpochOwner", "following_epoch", "trainer_moved_on"]
+
+
+class EpochOwner:
+    """Base of the schedules: placement, the trainer's epoch, and the epoch-start decision.
+
+    A subclass implements ``num_batches``, ``_resume`` (apply a restored state), ``_has_rest``
+    (whether the current epoch has batches left) and ``_start_epoch`` (begin an epoch at its
+    first batch), plus ``state_dict``/``load_state_dict``.
+    """
+
+    def __init__(self, rank: int | None, world_size: int | None) -> None:
+        self._explicit_placement = (rank, world_size)
+        self._placement: tuple[int, int] | None = None
+        self.epoch: int | None = None
+        """The epoch being delivered (``None`` before the first batch)."""
+        self.batches = 0
+        """Batches of ``epoch`` delivered to the caller."""
+        self._pending: LoaderState | None = None
+        self._trainer_epoch: int | None = None
+        self._owner: int | None = None
+
+    @property
+    def placement(self) -> tuple[int, int]:
+        """``(rank, world_size)``: fixed at the first epoch start, resolved afresh before it."""
+        if self._placement is not None:
+            return self._placement
+        return resolve_rank_world(*self._explicit_placement)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Record the trainer's epoch; it takes effect at the next epoch start."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        self._trainer_epoch = epoch
+
+    def begin_epoch(self) -> None:
+        """Fix placement and decide which epoch and batch come next (see the module
+        docstring). A restored state that fails to apply stays pending, so a corrected retry
+        can still resume."""
+        rank, world_size = self._placement = self.placement
+        pending, self._pending = self._pending, None
+        trainer = self._trainer_epoch
+        if pending is not None:
+            try:
+                self._resume(pending, rank, world_size)
+            except BaseException:
+                self._pending = pending
+                raise
+            if self._has_rest() and not trainer_moved_on(trainer, self._owner):
+                return
+        epoch = following_epoch(self.epoch, trainer, self._owner)
+        self._owner = trainer
+        self._start_epoch(epoch, rank, world_size)
+
+    def num_batches(self) -> int:
+        """Batches per epoch on this rank (equal on every rank)."""
+        raise NotImplementedError
+
+    def state_dict(self, held: int = 0) -> dict[str, Any]:
+        """The cursor as a plain dict; ``held``: batches delivered but not yet used."""
+        raise NotImplementedError
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a cursor; the next ``begin_epoch`` continues exactly after its last batch."""
+        raise NotImplementedError
+
+    def _resume(self, state: LoaderState, rank: int, world_size: int) -> None:
+        raise NotImplementedError
+
+    def _has_rest(self) -> bool:
+        raise NotImplementedError
+
+    def _start_epoch(self, epoch: int, rank: int, world_size: int) -> None:
+        raise NotImplementedError
+
+
+def trainer_moved_on(trainer_epoch: int | None, owner: int | None) -> bool:
+    """Whether the trainer's epoch (its last ``set_epoch``) is later than the one the current
+    epoch began under (``owner``): the trainer has then abandoned the current epoch."""
+    return trainer_epoch is not None and owner is not None and trainer_epoch > owner
+
+
+def following_epoch(current: int | None, trainer_epoch: int | None, owner: int | None) -> int:
+    """The epoch to start when the current one (``None``: none yet) is finished or abandoned:
+    the next one, or the trainer's epoch when the trainer has moved past it (a fresh loader
+    starts at the trainer's epoch, else at 0)."""
+    if current is None:
+        return trainer_epoch if trainer_epoch is not None else 0
+    if trainer_moved_on(trainer_epoch, owner):
+        assert trainer_epoch is not None
+        return max(current + 1, trainer_epoch)
+    return current + 1

@@ -1,0 +1,247 @@
+"""Parquet and Arrow IPC files as sharded sources: ``ParquetSource`` (a shard per row group)
+and ``ArrowSource`` (a shard per record batch of Arrow IPC files, Feather v2).
+
+Shard lengths come from the files' metadata, read once at construction, so ``len()`` is exact,
+every ``last_batch`` policy works and the loader's state is O(1). Opening shard ``i`` at row
+``start`` reads only that row group (or record batch) and only the wanted columns, then converts
+its rows from ``start`` on, column by column, a block of rows at a time: a resume seeks by row
+group and never converts the rows it skips. A sample is a dict of column -> value, as
+``arrow_rows`` gives it (numeric columns as numpy values, the others as Python values).
+
+Sources hold paths, never open files, so they pickle to worker processes, which open the files
+themselves. pyarrow is imported only when a source is made.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from abc import abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from lightning_loaders.hashing import digest
+from lightning_loaders.sources.shards import ShardedSource
+from lightning_loaders.sources.tables import arrow_rows
+
+__all__ = ["ArrowSource", "ParquetSource"]
+
+Paths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+
+_CONVERT_ROWS = 1024  # rows converted to Python at a time: bounds the work a slot may waste
+
+
+class _ColumnarFiles(ShardedSource[dict[str, Any]]):
+    """Columnar files cut into pieces (row groups, record batches): one shard per piece."""
+
+    suffixes: tuple[str, ...] = ()
+
+    def __init__(self, paths: Paths, columns: Sequence[str] | None = None, *,
+                 filesystem: Any = None) -> None:
+        self.filesystem = filesystem
+        self.paths = _expand(paths, self.suffixes, filesystem, type(self).__name__)
+        wanted = None if columns is None else list(columns)
+        self._shards: list[tuple[str, int]] = []
+        self._lengths: list[int] = []
+        for path in self.paths:
+            names, lengths = self._describe(path, wanted)
+            wanted = names if wanted is None else wanted
+            _check_columns(wanted, names, path)
+            self._shards += [(path, piece) for piece in range(len(lengths))]
+            self._lengths += lengths
+        assert wanted is not None
+        self.columns: list[str] = wanted
+
+    @property
+    def shards(self) -> list[tuple[str, int]]:
+        """``(path, piece)`` per shard: the file and its row group or record batch."""
+        return self._shards
+
+    @property
+    def shard_lengths(self) -> list[int]:
+        return self._lengths
+
+    def open_shard(self, index: int, start: int = 0,
+                   state: Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+        path, piece = self._shards[index]
+        return self._rows(path, piece, start)
+
+    @property
+    def fingerprint(self) -> str:
+        names = [os.path.basename(path) for path in self.paths]
+        return f"{super().fingerprint}:files {digest(names)}:columns {digest(list(self.columns))}"
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({len(self.paths)} files, {len(self._shards)} shards, "
+                f"{sum(self._lengths)} rows, columns={self.columns})")
+
+    def _rows(self, path: str, piece: int, start: int) -> Iterator[dict[str, Any]]:
+        table = self._read(path, piece)
+        for offset in range(start, table.num_rows, _CONVERT_ROWS):
+            yield from arrow_rows(table.slice(offset, _CONVERT_ROWS))
+
+    @abstractmethod
+    def _describe(self, path: str, columns: list[str] | None) -> tuple[list[str], list[int]]:
+        """The file's column names and the rows of each piece, from its metadata (``columns``:
+        the wanted ones, when known)."""
+
+    @abstractmethod
+    def _read(self, path: str, piece: int) -> Any:
+        """Piece ``piece`` of the file, the wanted columns only, as a ``pyarrow.Table``."""
+
+
+class ParquetSource(_ColumnarFiles):
+    """Parquet files, one shard per row group.
+
+    Args:
+        paths: Parquet files, directories (searched recursively for ``.parquet``, ``.parq``
+            and ``.pq`` files, in sorted order; names starting with ``.`` or ``_`` are left
+            out) or glob patterns (``data/**/*.parquet``); files in the order given.
+        columns: the columns a sample holds, in this order (default: the first file's).
+            Only these are read. Every file must have them.
+        filesystem: a ``pyarrow.fs.FileSystem`` the paths are on (default: local paths);
+            glob patterns need local paths.
+
+    The footers are read at construction (no data); a shard read loads one row group. Hive
+    partition columns (``key=value`` directories) are not added to the samples.
+    """
+
+    suffixes = (".parquet", ".parq", ".pq")
+
+    def _describe(self, path: str, columns: list[str] | None) -> tuple[list[str], list[int]]:
+        import pyarrow.parquet as pq
+
+        try:
+            metadata = pq.read_metadata(path, filesystem=self.filesystem)
+        except Exception as exc:
+            raise ValueError(f"{path} is not a readable Parquet file: {exc}") from exc
+        lengths = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
+        return list(metadata.schema.to_arrow_schema().names), lengths
+
+    def _read(self, path: str, piece: int) -> Any:
+        import pyarrow.parquet as pq
+
+        with pq.ParquetFile(path, filesystem=self.filesystem) as file:
+            return file.read_row_group(piece, columns=self.columns)
+
+
+class ArrowSource(_ColumnarFiles):
+    """Arrow IPC files (the file format, also written as Feather v2), one shard per record
+    batch.
+
+    Arguments as for ``ParquetSource``; directories are searched for ``.arrow``, ``.feather``
+    and ``.ipc`` files. Local files are memory-mapped and read without a copy when
+    uncompressed. The row count of each record batch is read at construction: free for an
+    uncompressed file; a compressed one (Feather's default is LZ4) decompresses the first
+    wanted column once for it. The Arrow IPC *stream* format has no random access: convert it
+    with ``pyarrow.ipc.new_file``.
+    """
+
+    suffixes = (".arrow", ".feather", ".ipc")
+
+    def _describe(self, path: str, columns: list[str] | None) -> tuple[list[str], list[int]]:
+        import pyarrow as pa
+
+        try:
+            with self._open(path) as source:
+                names = list(pa.ipc.open_file(source).schema.names)
+        except pa.ArrowInvalid as exc:
+            raise ValueError(f"{path} is not an Arrow IPC file ({exc}); write one with "
+                             "pyarrow.ipc.new_file or pyarrow.feather.write_feather") from exc
+        first = (columns or names or [None])[0]
+        fields = [names.index(first)] if first in names else None
+        with self._open(path) as source:
+            reader = self._reader(source, fields)
+            return names, [reader.get_batch(i).num_rows
+                           for i in range(reader.num_record_batches)]
+
+    def _read(self, path: str, piece: int) -> Any:
+        import pyarrow as pa
+
+        with self._open(path) as source:
+            reader = self._reader(source, None)
+            fields = [reader.schema.get_field_index(name) for name in self.columns]
+            reader = self._reader(source, sorted(fields))
+            batch = reader.get_batch(piece).select(self.columns)
+            return pa.Table.from_batches([batch])
+
+    def _open(self, path: str) -> Any:
+        import pyarrow as pa
+
+        if self.filesystem is None:
+            return pa.memory_map(path)
+        return self.filesystem.open_input_file(path)
+
+    @staticmethod
+    def _reader(source: Any, fields: list[int] | None) -> Any:
+        import pyarrow as pa
+
+        options = None if fields is None else pa.ipc.IpcReadOptions(included_fields=fields)
+        return pa.ipc.open_file(source, options=options)
+
+
+def _expand(paths: Paths, suffixes: tuple[str, ...], filesystem: Any, owner: str) -> list[str]:
+    """Files, directories and glob patterns to the list of files they name."""
+    items = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
+    found: list[str] = []
+    for item in items:
+        path = os.fspath(item)
+        if filesystem is not None:
+            found += _expand_on(filesystem, path, suffixes, owner)
+        elif any(char in path for char in "*?["):
+            matches = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+            if not matches:
+                raise FileNotFoundError(f"{owner}: no file matches {path!r}")
+            found += matches
+        elif os.path.isdir(path):
+            found += _in_directory(path, suffixes, owner)
+        elif os.path.isfile(path):
+            found.append(path)
+        else:
+            raise FileNotFoundError(f"{owner}: no such file or directory: {path!r}")
+    if not found:
+        raise ValueError(f"{owner} needs at least one file")
+    return found
+
+
+def _expand_on(filesystem: Any, path: str, suffixes: tuple[str, ...], owner: str) -> list[str]:
+    from pyarrow import fs
+
+    info = filesystem.get_file_info(path)
+    if info.type == fs.FileType.File:
+        return [path]
+    if info.type != fs.FileType.Directory:
+        raise FileNotFoundError(f"{owner}: no such file or directory on {filesystem}: {path!r}")
+    listed = filesystem.get_file_info(fs.FileSelector(path, recursive=True))
+    prefix = path.rstrip("/") + "/"
+    files = sorted(entry.path for entry in listed if entry.type == fs.FileType.File and _wanted(
+        entry.path[len(prefix):] if entry.path.startswith(prefix) else entry.path, suffixes))
+    if not files:
+        raise FileNotFoundError(f"{owner}: no {'/'.join(suffixes)} file under {path!r}")
+    return files
+
+
+def _in_directory(root: str, suffixes: tuple[str, ...], owner: str) -> list[str]:
+    files = sorted(os.path.join(folder, name) for folder, _, names in os.walk(root)
+                   for name in names
+                   if _wanted(os.path.relpath(os.path.join(folder, name), root), suffixes))
+    if not files:
+        raise FileNotFoundError(f"{owner}: no {'/'.join(suffixes)} file under {root!r}")
+    return files
+
+
+def _wanted(relative: str, suffixes: tuple[str, ...]) -> bool:
+    """A data file, by its path below the directory searched: the right suffix, and no hidden
+    part (``.x``, ``_x``)."""
+    parts = relative.replace(os.sep, "/").split("/")
+    return relative.endswith(suffixes) and not any(p.startswith((".", "_")) for p in parts)
+
+
+def _check_columns(wanted: list[str], available: list[str], path: str) -> None:
+    if not wanted:
+        raise ValueError(f"no columns to read from {path}; available: {available}")
+    missing = [name for name in wanted if name not in available]
+    if missing:
+        raise ValueError(f"{path} has no column(s) {missing}; available: {available}")
+    if len(set(wanted)) != len(wanted):
+        raise ValueError(f"columns {wanted} name a column more than once")

@@ -1,0 +1,203 @@
+"""A plain ``IterableDataset`` (no shards) as a one-shard source, read as its only reader.
+
+Many plain datasets split their own stream: torch's documented pattern calls
+``torch.utils.data.get_worker_info()`` in ``__iter__``, Hugging Face ``IterableDataset`` and
+WebDataset split by worker, WebDataset also by ``RANK``/``WORLD_SIZE``. The loader shards the
+stream over ranks and workers itself (every slot keeps every ``k``-th sample), so a dataset
+that also split it would lose ``(k - 1) / k`` of what each slot reads. ``sole_reader()`` is the
+view the dataset's code runs in while it is read: ``get_worker_info()`` returns ``None`` and
+the environment says rank 0 of 1, so the dataset yields its whole stream in every slot.
+Datasets that split by rank from their own configuration (HF ``split_dataset_by_node``, a
+WebDataset ``split_by_node`` stage) cannot be undone by a view and are refused with the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+from torch.utils.data._utils import worker as torch_worker
+
+from lightning_loaders.sources.shards import ShardedSource
+
+__all__ = ["PlainStream", "refuse_rank_split", "sole_reader"]
+
+# what the view sets while the dataset runs; WebDataset reads RANK/WORLD_SIZE before
+# torch.distributed, and WORKER/NUM_WORKERS (only overridden where set) before get_worker_info
+_RANK_ENV = {"RANK": "0", "WORLD_SIZE": "1"}
+_WORKER_ENV = {"WORKER": "0", "NUM_WORKERS": "1"}
+_SOURCES_HINT = ("or use a first-class source (lightning_loaders.sources: HFSource, "
+                 "WebDatasetSource, ParquetSource), which knows its shards and can seek")
+_PIPELINE_DEPTH = 4
+_DIGEST_SAMPLES = 8
+
+
+@contextmanager
+def sole_reader() -> Iterator[None]:
+    """While inside, dataset code sees itself as the only reader of its stream.
+
+    ``torch.utils.data.get_worker_info()`` returns ``None`` (the module global torch's function
+    reads is cleared, so a name bound at import sees it too), and ``RANK``/``WORLD_SIZE`` are
+    ``0``/``1`` (``WORKER``/``NUM_WORKERS`` ``0``/``1`` where set). Everything is restored on
+    exit, so a ``worker_init_fn`` and the rest of the worker see torch's real values. Enter it
+    around reads of a chunk of samples, not per sample: it costs a few environment writes.
+    """
+    saved_info = torch_worker._worker_info
+    overrides = {**_RANK_ENV, **{k: v for k, v in _WORKER_ENV.items() if k in os.environ}}
+    saved_env = {name: os.environ.get(name) for name in overrides}
+    torch_worker._worker_info = None
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        torch_worker._worker_info = saved_info
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def refuse_rank_split(dataset: Any) -> None:
+    """Raise ``ValueError`` naming the fix if ``dataset`` splits itself by rank from its own
+    configuration (which the sole-reader view cannot undo)."""
+    name = type(dataset).__name__
+    distributed = getattr(dataset, "_distributed", None)
+    if type(dataset).__module__.startswith("datasets.") and distributed is not None:
+        raise ValueError(
+            f"this Hugging Face {name} was split by node with "
+            "datasets.distributed.split_dataset_by_node (rank "
+            f"{getattr(distributed, 'rank', '?')} of {getattr(distributed, 'world_size', '?')}); "
+            "ResumableLoader shards over ranks itself, so each rank would read only its share "
+            "of that share. Pass the unsplit dataset, " + _SOURCES_HINT)
+    if _has_node_splitter(dataset, _PIPELINE_DEPTH):
+        raise ValueError(
+            f"this WebDataset {name} splits its shards by node (a split_by_node stage, e.g. "
+            "nodesplitter=webdataset.split_by_node); ResumableLoader shards over ranks itself, "
+            "so each rank would read only its share of that share. Drop the node splitter (the "
+            "default nodesplitter is fine), " + _SOURCES_HINT)
+
+
+def _has_node_splitter(pipeline: Any, depth: int) -> bool:
+    """Whether a WebDataset pipeline (or one nested in it) has a ``split_by_node`` stage."""
+    stages = getattr(pipeline, "pipeline", None)
+    if depth == 0 or not isinstance(stages, list):
+        return False
+    for stage in stages:
+        function = getattr(stage, "func", stage)  # a functools.partial of the splitter
+        if (getattr(function, "__name__", None) == "split_by_node"
+                and getattr(function, "__module__", "").startswith("webdataset")):
+            return True
+        if _has_node_splitter(stage, depth - 1):
+            return True
+    return False
+
+
+class PlainStream(ShardedSource[Any]):
+    """A plain ``IterableDataset`` seen as one shard: the strided fallback's source.
+
+    Every slot iterates the whole dataset (read inside ``sole_reader()``, so a dataset that
+    splits itself by worker or by the ``RANK`` environment still yields all of it) and keeps
+    its share; ``start`` is reached by skipping. ``set_epoch`` is forwarded, so a dataset that
+    reshuffles per epoch (HF reorders its shards) stays the same stream in every process of
+    that epoch. The dataset's
+    own ``state_dict()``, if any, is not used: the loader keeps the stream's position.
+    """
+
+    def __init__(self, dataset: IterableDataset[Any]) -> None:
+        refuse_rank_split(dataset)
+        self.dataset = dataset
+
+    @property
+    def shards(self) -> list[IterableDataset[Any]]:
+        return [self.dataset]
+
+    @property
+    def shard_lengths(self) -> list[int] | None:
+        try:
+            return [len(self.dataset)]  # type: ignore[arg-type]
+        except TypeError:
+            return None
+
+    def open_shard(self, index: int, start: int = 0,
+                   state: Mapping[str, Any] | None = None) -> Iterator[Any]:
+        """The stream from sample ``start`` on; read it inside ``sole_reader()``."""
+        return itertools.islice(iter(self.dataset), start, None)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forward ``epoch`` unless the dataset's ``epoch`` already says it.
+
+        Hugging Face keeps the epoch in memory shared by the main process and its workers and
+        updates it by adding a difference, so workers setting it at once would add twice; the
+        loader sets it in the main process first, and the workers then leave it alone.
+        """
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if callable(set_epoch) and getattr(self.dataset, "epoch", None) != epoch:
+            set_epoch(epoch)
+
+    def shorter_than_declared(self, ended_before: int, declared: int) -> str:
+        """The error message for a stream that ended before its ``len()``."""
+        return (
+            f"the {type(self.dataset).__name__} stream ended before sample {ended_before}, but "
+            f"its len() is {declared}. It probably splits its stream itself by rank (reading "
+            "torch.distributed or a node splitter), or its __len__ is wrong. Pass the unsplit "
+            "dataset (the loader shards it over ranks and workers itself), " + _SOURCES_HINT)
+
+    def digest(self) -> int:
+        """A 62-bit digest of the stream's first samples, read in this process (inside the
+        view), to compare between ranks. Only plain data (numbers, strings, bytes, arrays,
+        tensors, and lists and dicts of them) counts; other objects count by type name, so
+        the digest never differs by memory addresses or hash seeds."""
+        hasher = hashlib.blake2b(digest_size=8)
+        with sole_reader():
+            iterator = iter(self.dataset)
+            try:
+                for sample in itertools.islice(iterator, _DIGEST_SAMPLES):
+                    _feed(hasher, sample)
+            finally:
+                close = getattr(iterator, "close", None)
+                if callable(close):
+                    close()
+        return int.from_bytes(hasher.digest(), "little") >> 2
+
+    @property
+    def fingerprint(self) -> str:
+        lengths = self.shard_lengths
+        size = lengths[0] if lengths is not None else "unknown length"
+        return f"{type(self.dataset).__name__}:{size}"
+
+
+def _feed(hasher: Any, value: Any) -> None:
+    """Feed a process-independent form of ``value`` to ``hasher``."""
+    if isinstance(value, torch.Tensor):
+        hasher.update(f"t{value.dtype}{tuple(value.shape)}".encode())
+        try:
+            raw = value.detach().cpu().flatten().contiguous().view(torch.uint8).numpy()
+        except (RuntimeError, TypeError):  # sparse, quantized, ...: the header only
+            return
+        hasher.update(raw.tobytes())
+    elif isinstance(value, np.ndarray):
+        hasher.update(f"a{value.dtype.str}{value.shape}".encode())
+        if value.dtype != object:
+            hasher.update(np.ascontiguousarray(value).tobytes())
+    elif isinstance(value, str | int | float | bool | bytes | type(None) | np.generic):
+        hasher.update(f"{type(value).__name__}:".encode())
+        hasher.update(value if isinstance(value, bytes) else repr(value).encode())
+    elif isinstance(value, Mapping):
+        hasher.update(b"{")
+        for key in sorted(value, key=repr):
+            _feed(hasher, key)
+            _feed(hasher, value[key])
+    elif isinstance(value, list | tuple):
+        hasher.update(f"[{len(value)}".encode())
+        for item in value:
+            _feed(hasher, item)
+    else:
+        hasher.update(f"<{type(value).__qualname__}>".encode())

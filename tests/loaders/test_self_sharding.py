@@ -1,0 +1,453 @@
+"""Plain iterable datasets that split their own stream (by worker, by rank) read exactly once.
+
+The three datasets users have (issue 13): torch's documented ``get_worker_info()`` pattern,
+Hugging Face ``to_iterable_dataset(num_shards=4)`` and ``webdataset.WebDataset`` over 4 tars.
+The builders are module-level (``ddp_*``) so that ``tests/scripts/real_data_fit.py`` imports
+them in every DDP rank; each reads ``ids.txt`` or the tars a test wrote into ``data_dir``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import datasets
+import pytest
+import torch
+import webdataset as wds
+from datasets.distributed import split_dataset_by_node
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    Sampler,
+    get_worker_info,
+)
+
+from lightning_loaders import ResumableLoader
+from lightning_loaders.errors import SampleFetchError
+from lightning_loaders.sources.plain import sole_reader
+from lightning_loaders.testing import check_resume_at_every_step
+from tests.conftest import IndexDataset
+from tests.ddp_harness import REPO, run_ddp
+from tests.real_data_harness import check_real_data_ddp
+
+TOTAL = 40
+BATCH = 4
+MODULE = "tests.loaders.test_self_sharding"
+
+
+# -- the datasets (module level: DDP ranks import them) --------------------------------------
+
+
+class WorkerSplitRange(IterableDataset[dict[str, int]]):
+    """torch's documented pattern: each worker yields its contiguous part of the ids.
+
+    ``get_worker_info`` is bound by name at import and called lazily (in the generator).
+    """
+
+    def __init__(self, ids: list[int], sized: bool = False) -> None:
+        self.ids, self.sized = ids, sized
+
+    def __iter__(self) -> Iterator[dict[str, int]]:
+        info = get_worker_info()
+        start, end = 0, len(self.ids)
+        if info is not None:
+            per_worker = math.ceil(len(self.ids) / info.num_workers)
+            start = info.id * per_worker
+            end = min(start + per_worker, end)
+        for i in range(start, end):
+            yield {"id": self.ids[i]}
+
+    def __len__(self) -> int:
+        if not self.sized:
+            raise TypeError("unsized")
+        return len(self.ids)
+
+
+class EnvRankSplit(IterableDataset[dict[str, int]]):
+    """Splits its stream by the ``RANK``/``WORLD_SIZE`` environment (as WebDataset does)."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def __iter__(self) -> Iterator[dict[str, int]]:
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        return ({"id": i} for i in self.ids[rank::world])
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class DistRankSplit(IterableDataset[dict[str, int]]):
+    """Splits by ``torch.distributed`` and claims the full length: the loader cannot undo it."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def __iter__(self) -> Iterator[dict[str, int]]:
+        rank, world = 0, 1
+        if torch.distributed.is_initialized():
+            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        return ({"id": i} for i in self.ids[rank::world])
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class Curriculum(Dataset[dict[str, int]]):
+    """A map-style dataset with its own state (``Stateful``): a level set from outside."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.level = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, int]:
+        return {"id": index, "level": self.level}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"level": self.level}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.level = state["level"]
+
+
+def read_ids(data_dir: str) -> list[int]:
+    return [int(line) for line in Path(data_dir, "ids.txt").read_text().split()]
+
+
+def ddp_torch_doc(data_dir: str) -> IterableDataset[Any]:
+    return WorkerSplitRange(read_ids(data_dir))
+
+
+def ddp_torch_doc_sized(data_dir: str) -> IterableDataset[Any]:
+    return WorkerSplitRange(read_ids(data_dir), sized=True)
+
+
+def ddp_hf(data_dir: str) -> IterableDataset[Any]:
+    return datasets.Dataset.from_dict({"id": read_ids(data_dir)}).to_iterable_dataset(
+        num_shards=4)
+
+
+def _wds_sample(sample: dict[str, Any]) -> dict[str, int]:
+    return {"id": int(sample["cls"])}
+
+
+def ddp_webdataset(data_dir: str) -> IterableDataset[Any]:
+    """``WebDataset(urls)`` with its defaults (nodesplitter ``single_node_only``), unshuffled."""
+    urls = sorted(str(path) for path in Path(data_dir).glob("*.tar"))
+    return wds.WebDataset(urls, shardshuffle=False).decode().map(_wds_sample)
+
+
+def write_data(data_dir: Path, total: int = TOTAL) -> Path:
+    """``ids.txt`` (shuffled ids) and 4 tars holding the same ids, in ``data_dir``."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    ids = torch.randperm(total, generator=torch.Generator().manual_seed(3)).tolist()
+    (data_dir / "ids.txt").write_text("".join(f"{i}\n" for i in ids))
+    for shard in range(4):
+        with wds.TarWriter(str(data_dir / f"part{shard}.tar")) as sink:
+            for i in ids[shard::4]:
+                sink.write({"__key__": f"s{i:05d}", "cls": i})
+    return data_dir
+
+
+BUILDERS: dict[str, Callable[[str], IterableDataset[Any]]] = {
+    "torch-doc": ddp_torch_doc, "hf": ddp_hf, "webdataset": ddp_webdataset}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return write_data(tmp_path_factory.mktemp("self_sharding"))
+
+
+def _epoch_ids(loader: Any, epochs: int) -> list[list[int]]:
+    out = []
+    for epoch in range(epochs):
+        set_epoch = getattr(loader.sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+        out.append([i for batch in loader for i in batch["id"].tolist()])
+    return out
+
+
+# -- exactly once ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+@pytest.mark.parametrize("workers", [0, 2, 3])
+def test_every_sample_arrives_exactly_once_per_epoch(name, workers, data_dir) -> None:
+    build = BUILDERS[name]
+    reference = DataLoader(build(str(data_dir)), batch_size=BATCH, num_workers=workers)
+    expected = Counter(i for batch in reference for i in batch["id"].tolist())
+    assert expected == Counter(range(TOTAL))
+    loader = ResumableLoader(build(str(data_dir)), batch_size=BATCH, num_workers=workers,
+                             seed=5)
+    for epoch, ids in enumerate(_epoch_ids(loader, 2)):
+        assert Counter(ids) == expected, f"epoch {epoch}: {len(ids)} of {TOTAL} ids"
+    loader.close()
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_at_every_step_equals_the_uninterrupted_run(name, workers, data_dir) -> None:
+    build = BUILDERS[name]
+    check_resume_at_every_step(
+        lambda: ResumableLoader(build(str(data_dir)), batch_size=BATCH, num_workers=workers,
+                                seed=5),
+        epochs=2, key=lambda batch: batch["id"].tolist())
+
+
+@pytest.mark.parametrize("name", [*BUILDERS, "torch-doc-sized"])
+def test_resume_with_another_num_workers_is_refused_mid_epoch_and_exact_at_an_epoch_end(
+        name, data_dir) -> None:
+    """Each slot strides over the stream, so mid-epoch positions belong to one slot count."""
+    build = BUILDERS.get(name, ddp_torch_doc_sized)
+
+    def make(workers: int) -> Any:
+        return ResumableLoader(build(str(data_dir)), batch_size=BATCH, num_workers=workers,
+                               seed=5)
+
+    full = make(2)
+    epochs = _epoch_ids(full, 2)
+    it = iter(full)
+    next(it)
+    mid = full.state_dict()
+    full.close()
+    other = make(3)
+    other.load_state_dict(mid)
+    with pytest.raises(ValueError, match="another world size or number of worker slots"):
+        next(iter(other))
+    other.close()
+
+    at_end = make(2)
+    ids = [i for batch in at_end for i in batch["id"].tolist()]
+    assert Counter(ids) == Counter(epochs[0])
+    state = at_end.state_dict()
+    at_end.close()
+    resumed = make(3)
+    resumed.load_state_dict(state)
+    assert Counter(i for batch in resumed for i in batch["id"].tolist()) == Counter(range(TOTAL))
+    resumed.close()
+
+
+# -- the sole-reader view --------------------------------------------------------------------
+
+
+def _record_worker_info(directory: str, worker_id: int) -> None:
+    info = get_worker_info()
+    assert info is not None
+    Path(directory, f"worker{worker_id}").write_text(f"{info.id} {info.num_workers}")
+
+
+def test_worker_init_fn_still_sees_torchs_worker_info(data_dir, tmp_path) -> None:
+    loader = ResumableLoader(ddp_torch_doc(str(data_dir)), batch_size=BATCH, num_workers=2,
+                             worker_init_fn=functools.partial(_record_worker_info, str(tmp_path)))
+    assert sorted(i for batch in loader for i in batch["id"].tolist()) == list(range(TOTAL))
+    loader.close()
+    assert sorted(p.read_text() for p in tmp_path.glob("worker*")) == ["0 2", "1 2"]
+
+
+def test_the_view_is_restored_after_each_read(monkeypatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("WORKER", raising=False)
+    with sole_reader():
+        assert get_worker_info() is None
+        assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("0", "1")
+        assert "WORKER" not in os.environ
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("1", "2")
+    monkeypatch.delenv("RANK")
+    with sole_reader():
+        assert os.environ["RANK"] == "0"
+    assert "RANK" not in os.environ
+
+
+# -- rank splitting --------------------------------------------------------------------------
+
+
+def _ranks_ids(make: Callable[[int], Any], world_size: int = 2) -> list[list[int]]:
+    out = []
+    for rank in range(world_size):
+        loader = make(rank)
+        out.append([i for batch in loader for i in batch["id"].tolist()])
+        loader.close()
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataset_splitting_by_the_rank_environment_is_read_whole(workers, monkeypatch,
+                                                                   data_dir) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ranks = _ranks_ids(lambda rank: ResumableLoader(
+        EnvRankSplit(read_ids(str(data_dir))), batch_size=BATCH, num_workers=workers,
+        rank=rank, world_size=2))
+    assert len(ranks[0]) == len(ranks[1])
+    assert sorted(ranks[0] + ranks[1]) == list(range(TOTAL))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_webdataset_defaults_are_read_whole_on_each_of_two_ranks(workers, monkeypatch,
+                                                                 data_dir) -> None:
+    """``WebDataset(urls)``'s default nodesplitter (``single_node_only``) raises when it sees
+    two ranks; inside the view it sees one, and the loader splits the stream itself (known
+    length here: two ranks in one process; the DDP test below runs it with unknown length)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="explicit nodesplitter"):
+        next(iter(ddp_webdataset(str(data_dir))))
+    ranks = _ranks_ids(lambda rank: ResumableLoader(
+        ddp_webdataset(str(data_dir)).with_length(TOTAL), batch_size=BATCH,
+        num_workers=workers, rank=rank, world_size=2))
+    assert len(ranks[0]) == len(ranks[1])
+    assert sorted(ranks[0] + ranks[1]) == list(range(TOTAL))
+
+
+def test_hf_split_dataset_by_node_is_refused_with_the_fix(data_dir) -> None:
+    split = split_dataset_by_node(ddp_hf(str(data_dir)), rank=1, world_size=2)
+    with pytest.raises(ValueError, match=r"split_dataset_by_node \(rank 1 of 2\).*unsplit "
+                                         r"dataset.*HFSource"):
+        ResumableLoader(split, batch_size=BATCH)
+    derived = split.map(lambda sample: sample)  # derived datasets carry the split
+    with pytest.raises(ValueError, match="split_dataset_by_node"):
+        ResumableLoader(derived, batch_size=BATCH)
+
+
+@pytest.mark.parametrize("how", ["nodesplitter", "pipeline"])
+def test_webdataset_split_by_node_is_refused_with_the_fix(how, data_dir) -> None:
+    urls = sorted(str(path) for path in data_dir.glob("*.tar"))
+    if how == "nodesplitter":
+        dataset = wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.split_by_node)
+    else:
+        dataset = wds.DataPipeline(wds.SimpleShardList(urls), wds.split_by_node,
+                                   wds.split_by_worker, wds.tarfile_to_samples())
+    with pytest.raises(ValueError, match="split_by_node.*Drop the node splitter.*"
+                                         "WebDatasetSource"):
+        ResumableLoader(dataset, batch_size=BATCH)
+
+
+def test_a_sized_stream_shorter_than_its_len_says_what_likely_happened(data_dir) -> None:
+    """What a dataset splitting by ``torch.distributed`` looks like to one rank: its stream
+    ends at half its ``len()``."""
+    class HalfOfIt(DistRankSplit):
+        def __iter__(self) -> Iterator[dict[str, int]]:
+            return ({"id": i} for i in self.ids[::2])
+
+    loader = ResumableLoader(HalfOfIt(read_ids(str(data_dir))), batch_size=BATCH)
+    with pytest.raises(SampleFetchError, match="stream ended before sample 20, but its len\\(\\) "
+                                               "is 40.*splits its stream itself by rank"):
+        list(loader)
+
+
+# -- the Stateful protocol -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_map_style_datasets_own_state_comes_back_on_resume(workers) -> None:
+    dataset = Curriculum(12)
+    loader = ResumableLoader(dataset, batch_size=BATCH, num_workers=workers, seed=1)
+    it = iter(loader)
+    next(it)
+    dataset.level = 3
+    state = loader.state_dict()
+    loader.close()
+    fresh = Curriculum(12)
+    resumed = ResumableLoader(fresh, batch_size=BATCH, num_workers=workers, seed=1)
+    resumed.load_state_dict(state)
+    assert fresh.level == 3
+    assert {level for batch in resumed for level in batch["level"].tolist()} == {3}
+    resumed.close()
+
+
+class Growing(Sampler[int]):
+    """A ``Stateful`` sampler: each draw shows more of the dataset."""
+
+    def __init__(self) -> None:
+        self.stage = 0
+
+    def __len__(self) -> int:
+        return 16
+
+    def __iter__(self) -> Iterator[int]:
+        self.stage += 1
+        return iter([i % (4 * self.stage) for i in range(16)])
+
+    def state_dict(self) -> dict[str, int]:
+        return {"stage": self.stage}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.stage = state["stage"]
+
+
+def test_a_batch_samplers_stateful_sampler_comes_back_on_resume() -> None:
+    full = check_resume_at_every_step(
+        lambda: ResumableLoader(IndexDataset(16), seed=2,
+                                batch_sampler=BatchSampler(Growing(), 4, drop_last=False)),
+        epochs=3, key=lambda batch: batch["index"].tolist())
+    assert [max(i for b in epoch for i in b) for epoch in full] == [3, 7, 11]
+
+
+def test_only_a_map_style_datasets_own_state_is_saved(data_dir) -> None:
+    """A dataset without state adds nothing; an iterable dataset's own state (HF has one) is
+    not used, since the loader keeps the stream's position (resume tests above: exact)."""
+    for dataset in (IndexDataset(8), ddp_hf(str(data_dir))):
+        loader = ResumableLoader(dataset, batch_size=2)
+        next(iter(loader))
+        assert "dataset" not in loader.state_dict()["parts"]
+        loader.close()
+    assert callable(ddp_hf(str(data_dir)).state_dict)
+
+
+# -- real DDP ---------------------------------------------------------------------------------
+
+
+def test_ddp_trainer_reads_each_self_splitting_dataset_exactly_once_and_resumes(
+        data_dir, tmp_path) -> None:
+    """One launch: torch's pattern (unknown and known length), HF ``num_shards=4`` and
+    ``WebDataset(urls)`` with its default nodesplitter, which under 2 ranks would raise by
+    itself: inside the sole-reader view it sees one node and every id arrives once."""
+    names = ["ddp_torch_doc", "ddp_torch_doc_sized", "ddp_hf", "ddp_webdataset"]
+    runs = check_real_data_ddp([f"{MODULE}:{name}" for name in names], data_dir, TOTAL,
+                               tmp_path / "ddp", workers=2)
+    assert runs[f"{MODULE}:ddp_torch_doc_sized"][0]["len"] == 6  # 2 slots x 3 batches a rank
+
+
+def test_hf_reorders_its_shards_per_epoch_and_every_worker_reads_that_order(data_dir) -> None:
+    """HF keeps its epoch in memory shared with the workers: it is set once per epoch, so
+    the two slots of each epoch read the same order (the dataset's own for that epoch)."""
+    for _ in range(2):
+        loader = ResumableLoader(ddp_hf(str(data_dir)), batch_size=BATCH, num_workers=2)
+        for epoch, got in enumerate(_epoch_ids(loader, 3)):
+            reference = ddp_hf(str(data_dir))
+            reference.set_epoch(epoch)
+            order = [sample["id"] for sample in reference]
+            slots = [order[0::2], order[1::2]]
+            expected = [i for b in range(5) for slot in slots for i in slot[b * 4:b * 4 + 4]]
+            assert got == expected, f"epoch {epoch}"
+        loader.close()
+
+
+def test_ddp_datasets_splitting_by_torch_distributed_or_seeding_per_rank_are_refused(
+        data_dir, tmp_path) -> None:
+    """What the sole-reader view cannot undo is caught on real ranks, never quietly wrong:
+    with unknown length the ranks compare their streams' first samples once per epoch; with
+    known length the stream ends before its len()."""
+    runs = run_ddp(REPO / "tests" / "scripts" / "self_sharding_ddp.py", [str(data_dir)],
+                   tmp_path / "ddp")
+    for rank, run in enumerate(runs):
+        for case in ("dist-unsized-w0", "dist-unsized-w2", "wds-seed-per-rank-w2"):
+            assert run[case].get("error", "").startswith(
+                "ValueError: the plain dataset's stream differs between ranks in epoch 0"), (
+                rank, case, run[case])
+        assert re.search(r"stream ended before sample 2[01], but its len\(\) is 40.*splits its "
+                         "stream itself by rank", run["dist-sized-w0"].get("error", "")), (
+            rank, run["dist-sized-w0"])
