@@ -51,6 +51,7 @@ from lightning_loaders.sources.webdataset import WebDatasetSource
 if TYPE_CHECKING:
     from lightning_loaders.lightning.batch_indices import batch_indices, expose_batch_indices
     from lightning_loaders.lightning.datamodule import ResumableDataModule
+    from lightning_loaders.lightning.exact_resume import ExactResume
     from lightning_loaders.lightning.monitor import DataStallMonitor, DataStallWarning
 
 __version__ = "0.2.0"
@@ -58,6 +59,7 @@ __version__ = "0.2.0"
 _LAZY = {
     "DataStallMonitor": "lightning_loaders.lightning.monitor",
     "DataStallWarning": "lightning_loaders.lightning.monitor",
+    "ExactResume": "lightning_loaders.lightning.exact_resume",
     "ResumableDataModule": "lightning_loaders.lightning.datamodule",
     "batch_indices": "lightning_loaders.lightning.batch_indices",
     "expose_batch_indices": "lightning_loaders.lightning.batch_indices",
@@ -75,6 +77,7 @@ __all__ = [
     "DataStallMonitor",
     "DataStallWarning",
     "DynamicWeightedSampler",
+    "ExactResume",
     "GeneratorSource",
     "HFSource",
     "LastBatch",

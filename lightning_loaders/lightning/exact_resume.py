@@ -1,0 +1,420 @@
+"""``ExactResume``: a callback with which a resumed ``fit`` repeats the uninterrupted run's whole
+loop, validation included.
+
+Lightning 2.6 restores where training stood, but not where validation stood:
+
+- A checkpoint written after a training step at which validation is due precedes that
+  validation: ``ModelCheckpoint(every_n_train_steps=...)`` saves in ``on_train_batch_end``, and
+  the epoch loop validates after those hooks (``loops/training_epoch_loop.py:375-408``). On
+  restart Lightning counts that validation as done (``training_epoch_loop.py:281-292``) and
+  trains on (Lightning #19549, #20277, #20288): with validation twice per epoch, 4 of 12
+  per-step checkpoints resume without a validation pass that the uninterrupted run made.
+- A checkpoint written during validation (a preemption handler saving in
+  ``on_validation_batch_end``) restarts "on last" and skips the rest of the pass
+  (``training_epoch_loop.py:286-289``). Lightning saves no validation loader's state either,
+  only the training loaders' (``loops/fit_loop.py:520-530``).
+- A restart from the last batch of an epoch finishes that epoch in ``FitLoop.reset``
+  (``loops/fit_loop.py:398-404``) but then skips the next epoch's ``on_train_epoch_start`` and
+  its progress counts (``fit_loop.py:447-454``); a checkpoint written later in that epoch then
+  resumes at the epoch's first batch.
+
+``ExactResume`` saves, with every checkpoint, which validation is pending and the validation
+loaders' states; on restore it runs the pending validation (or the rest of it) once, before
+training goes on, and lets the next epoch start as usual.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+from lightning.fabric.utilities.data import sized_len
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
+
+__all__ = ["ExactResume"]
+
+_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Pending:
+    """A validation pass to run on restore, from batch ``batch_idx`` of validation loader
+    ``dataloader_idx`` on (``0, 0``: all of it). ``replay`` batches of that loader are fetched
+    and dropped first, from its state at the start of the interrupted pass, when its cursor
+    cannot say where the pass stood. ``origin``: every validation loader's state at the start
+    of the interrupted pass (``None``: not interrupted)."""
+
+    dataloader_idx: int = 0
+    batch_idx: int = 0
+    replay: int = 0
+    origin: list[Any] | None = None
+
+    @property
+    def positioned(self) -> bool:
+        """Whether the pass goes on from anywhere but its start."""
+        return (self.dataloader_idx, self.batch_idx) != (0, 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dataloader_idx": self.dataloader_idx, "batch_idx": self.batch_idx,
+                "replay": self.replay, "origin": self.origin}
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> _Pending:
+        return cls(dataloader_idx=int(state["dataloader_idx"]), batch_idx=int(state["batch_idx"]),
+                   replay=int(state["replay"]), origin=state["origin"])
+
+
+@dataclass(kw_only=True)
+class _Pass:
+    """The validation pass under way: it began at batch ``start`` (``(dataloader_idx,
+    batch_idx)``) with the loaders in states ``origin``. ``current`` is the batch whose
+    ``on_validation_batch_start`` we saw last, when ``mark`` batches of the pass had been handed
+    to steps before it; ``complete`` once ``on_validation_epoch_end`` has run."""
+
+    start: tuple[int, int]
+    origin: list[Any]
+    current: tuple[int, int] | None = None
+    mark: int = 0
+    complete: bool = False
+
+
+class ExactResume(Callback):
+    """Make ``Trainer.fit(ckpt_path=...)`` repeat the uninterrupted run's training and
+    validation, batch for batch, from any checkpoint written during ``fit``.
+
+    Add it to ``Trainer(callbacks=[ExactResume(), ...])`` in the run that writes the
+    checkpoints and in the run that resumes from them. With it:
+
+    - a checkpoint written after a training step at which validation is due (in
+      ``on_train_batch_end``, where ``ModelCheckpoint(every_n_train_steps=...)`` writes)
+      resumes with that validation pass, run once, then training;
+    - a checkpoint written during a validation pass (in ``on_validation_batch_end``, say, or
+      from a signal handler inside a step) resumes with the rest of that pass, each step
+      getting the batch, ``batch_idx`` and ``dataloader_idx`` it would have had, then training;
+    - the validation loaders' states travel with every checkpoint (Lightning saves only the
+      training loaders'), so a shuffled validation loader goes on with the order of its next
+      pass;
+    - after a checkpoint at the last batch of an epoch, the next epoch starts as usual (with
+      its ``on_train_epoch_start``), and checkpoints written in it resume exactly too.
+
+    This holds for ``val_check_interval`` as a fraction or an integer (also with
+    ``check_val_every_n_epoch=None``), ``check_val_every_n_epoch > 1``, ``limit_val_batches``,
+    several validation loaders, and DDP (every rank runs the pending pass; rank 0's checkpoint
+    carries the state, as for the training loaders). The pending pass runs at
+    ``on_train_start``, with ``trainer.current_epoch`` the epoch it belongs to. A pass resumed
+    mid-way starts again with ``on_validation_start`` and ``on_validation_epoch_start``, so
+    epoch-level metrics cover the batches run after the resume, unless their state is in the
+    checkpoint.
+
+    Validation loaders with ``state_dict``/``load_state_dict`` (``ResumableLoader(...,
+    evaluation=True)``, ``make_resumable(DataLoader(...), evaluation=True)``, and what
+    ``ResumableDataModule.val_dataloader`` returns) jump to the batch where the pass stood. Any
+    other loader is read from its start and the batches already validated are fetched and
+    dropped, which is exact for a fixed order (``shuffle=False``, as Lightning's validation
+    samplers have). A pass interrupted inside a step (its batch fetched, its step not finished)
+    and a ``CombinedLoader`` in another mode than ``"sequential"`` replay the same way. After a
+    pass that stops before the loader's epoch ends (``limit_val_batches``, or the sanity check's
+    ``num_sanity_val_steps``) its state is mid-epoch, which a restored loader would continue
+    while the live one starts its next epoch: such a loader starts afresh on restore, which is
+    exact for a fixed order without epoch-dependent randomness.
+
+    With ``ResumableDataModule``: the data module carries the training loaders' cursors in its
+    own state and makes its validation loaders resumable; ``ExactResume`` carries the pending
+    validation and the validation loaders' states. Use both:
+    ``Trainer(callbacks=[ExactResume(), ModelCheckpoint(...)])`` and
+    ``trainer.fit(model, datamodule=data, ckpt_path=...)``.
+
+    Not covered: a validation due at the step that reaches ``max_steps`` (Lightning's fit loop
+    returns before any hook runs, ``loops/fit_loop.py:209-211``); ``on_train_epoch_end`` of the
+    epoch whose last step wrote the checkpoint (``FitLoop.reset`` counts that epoch finished);
+    time-based ``val_check_interval``.
+
+    Lightning 2.6 internals this relies on (file:line in ``lightning/pytorch``):
+
+    - ``loops/training_epoch_loop.py:529-562``, ``_should_check_val_fx(data_fetcher)``: whether
+      validation is due after the step, asked at save time with ``fit_loop._data_fetcher``
+      (``loops/fit_loop.py:109``); ``_skip_next_val`` (``training_epoch_loop.py:96``);
+      ``batch_progress`` (``:82``), whose ``completed == processed - 1`` marks
+      ``on_train_batch_end`` (``:356-379``).
+    - ``loops/training_epoch_loop.py:396-408``: how the epoch loop runs validation; the pending
+      pass runs the same way from ``on_train_start`` (``loops/fit_loop.py:431``, after
+      ``FitLoop.reset`` restored the loops), honouring ``fit_loop._should_accumulate()``
+      (``fit_loop.py:545-547``), and puts ``_EvaluationLoop._has_run``
+      (``loops/evaluation_loop.py:77``) back so that ``_is_validation_done``
+      (``training_epoch_loop.py:125-127``) decides as it would have.
+    - ``loops/fit_loop.py:398-404``: a restart after an epoch's last batch counts that epoch
+      finished before ``on_train_start``: the pending pass then runs with
+      ``fit_loop.epoch_progress.current`` one back, for ``current_epoch`` and the loaders'
+      ``set_epoch`` (``loops/evaluation_loop.py:252-255``); ``fit_loop.reset_restart_stage()``
+      (``fit_loop.py:380-381``) lets ``on_advance_start`` (``:447-454``) start the next epoch.
+    - ``loops/training_epoch_loop.py:281-295``: afterwards Lightning does not validate at that
+      step again (it counts the pass done, or skips it when restarted "on last"); the pass's
+      ``on_iteration_done`` (``loops/loop.py:109-113``) clears the validation loop's restart
+      stage, so a checkpoint written inside a step is not validated twice either.
+    - ``loops/evaluation_loop.py:229-266``: ``reset()`` makes the iterator of
+      ``_combined_loader`` (``:81``) in ``_data_fetcher`` (``:82``) before
+      ``on_validation_start`` (``:281-287``), where ``ExactResume`` moves it:
+      ``CombinedLoader._iterator`` (``utilities/combined_loader.py:348-352``), for the
+      sequential mode ``_Sequential._iterator_idx``, ``_idx`` and ``_load_current_iterator()``
+      (``combined_loader.py:123-181``); then the fetcher's ``fetched`` count and prefetched
+      ``batches`` (``loops/fetchers.py:33, 101``).
+    - ``batch_progress`` of the validation loop (``loops/evaluation_loop.py:423-460``):
+      ``current.ready`` counts batches handed to steps, ``current.processed`` steps done;
+      ``max_batches`` (``:96-101``) the batches of each loader per pass.
+    """
+
+    def __init__(self) -> None:
+        self._trainer: weakref.ref[L.Trainer] | None = None
+        self._epoch = 0  # current_epoch when the restored state was saved
+        self._pending: _Pending | None = None  # restored, runs at on_train_start
+        self._resuming: _Pending | None = None  # that pass, positioned when it starts
+        self._loader_states: list[Any] | None = None  # restored, applied at the next pass
+        self._pass: _Pass | None = None
+        self._after_sanity = False  # the sanity check was the loaders' last pass
+
+    # -- checkpoint state -------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Which validation is pending (``None``: none) and the validation loaders' states."""
+        trainer = self._trainer() if self._trainer is not None else None
+        if self._pending is not None or trainer is None:  # restored, not run yet
+            return _state(self._epoch, self._pending, self._loader_states)
+        loaders = _val_loaders(trainer)
+        states = (self._loader_states if self._loader_states is not None
+                  else _states(trainer, loaders, self._after_sanity))
+        pending: _Pending | None = None
+        if _fitting(trainer) and trainer.validating:
+            pending, states = self._rest_of_pass(trainer, loaders, states)
+        elif _fitting(trainer) and _validation_due(trainer):
+            pending = _Pending()
+        return _state(trainer.current_epoch, pending, states)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore; the pending validation runs at ``on_train_start``."""
+        version = state_dict.get("version") if isinstance(state_dict, dict) else None
+        if version != _VERSION:
+            raise ValueError(f"unsupported ExactResume state (version {version!r}); this "
+                             f"ExactResume reads version {_VERSION}: resume with the version of "
+                             "lightning-loaders that wrote the checkpoint")
+        self._epoch = int(state_dict["epoch"])
+        pending = state_dict["pending"]
+        self._pending = _Pending.from_dict(pending) if pending is not None else None
+        self._loader_states = state_dict["loaders"]
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._trainer = weakref.ref(trainer)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Let the next epoch start as usual after a restart at an epoch's last batch, and
+        run the validation pending in the checkpoint as the epoch loop runs it."""
+        fit_loop = trainer.fit_loop
+        epoch_loop = fit_loop.epoch_loop
+        if (fit_loop.restarted_mid_epoch and epoch_loop.restarted_on_train_batch_end
+                and epoch_loop.batch_progress.is_last_batch):
+            fit_loop.reset_restart_stage()
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        val_loop = epoch_loop.val_loop
+        has_run = val_loop._has_run
+        self._resuming = pending
+        with _epoch_as(trainer, self._epoch):
+            val_loop.restarting = False  # the pass counts its batches from 0
+            trainer.validating = True
+            if not fit_loop._should_accumulate():
+                pl_module.on_validation_model_zero_grad()
+            val_loop.run()
+            trainer.training = True
+        self._resuming = None
+        val_loop._has_run = has_run
+
+    def on_sanity_check_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._after_sanity = True
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Restore the loaders' states and position the pass (first pass after a restore),
+        and start following it."""
+        if not _fitting(trainer):
+            return
+        resuming, self._resuming = self._resuming, None
+        states, self._loader_states = self._loader_states, None
+        loaders = _val_loaders(trainer)
+        if states is not None and len(states) != len(loaders):
+            warnings.warn(f"the checkpoint holds the states of {len(states)} validation loaders "
+                          f"but val_dataloader() returned {len(loaders)}: they start afresh",
+                          stacklevel=2)
+            states = None
+            resuming = None if resuming is None else _Pending()
+        start = (0, 0)
+        restored = states is not None and any(state is not None for state in states)
+        if restored or (resuming is not None and resuming.positioned):
+            start = _reposition(trainer, states, resuming)
+        origin = resuming.origin if resuming is not None else None
+        if origin is None:
+            origin = _states(trainer, loaders, self._after_sanity) or []
+        self._after_sanity = False
+        self._pass = _Pass(start=start, origin=origin)
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                                  batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self._pass is not None and _fitting(trainer):
+            self._pass.current = (dataloader_idx, batch_idx)
+            self._pass.mark = _counts(trainer.fit_loop.epoch_loop.val_loop)[0] - 1
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._pass is not None and _fitting(trainer):
+            self._pass.complete = True
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if _fitting(trainer):
+            self._pass = None
+
+    # -- where a pass stands ----------------------------------------------------------------
+
+    def _rest_of_pass(self, trainer: L.Trainer, loaders: list[Any], between: list[Any] | None
+                      ) -> tuple[_Pending | None, list[Any] | None]:
+        """The rest of the pass under way and the loader states to resume it from
+        (``between``: the states to restore between passes)."""
+        tracker = self._pass
+        if tracker is None:  # our on_validation_start has not run yet: all of it
+            return _Pending(), between
+        val_loop = trainer.fit_loop.epoch_loop.val_loop
+        handed, stepped, _ = _counts(val_loop)
+        if tracker.complete or (val_loop.batch_progress.is_last_batch and 0 < handed == stepped):
+            return None, between
+        j, k = tracker.start if tracker.current is None else tracker.current
+        if tracker.current is not None and stepped > tracker.mark:  # its step is done
+            k += 1
+        origin = tracker.origin
+        if not _sequential(trainer):
+            return _Pending(batch_idx=k, replay=k, origin=origin), origin
+        between = between if between is not None else [None] * len(loaders)
+        states = [between[i] if i < j else origin[i] for i in range(len(loaders))]
+        exact = handed == stepped and not _prefetched(trainer)
+        if exact and j < len(loaders) and _is_stateful(loaders[j]):
+            states[j] = loaders[j].state_dict()  # its cursor is where the pass stands
+            return _Pending(dataloader_idx=j, batch_idx=k, origin=origin), states
+        return _Pending(dataloader_idx=j, batch_idx=k, replay=k, origin=origin), states
+
+
+def _state(epoch: int, pending: _Pending | None, loaders: list[Any] | None) -> dict[str, Any]:
+    return {"version": _VERSION, "epoch": epoch,
+            "pending": pending.to_dict() if pending is not None else None, "loaders": loaders}
+
+
+def _fitting(trainer: L.Trainer) -> bool:
+    return trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
+
+
+def _counts(loop: Any) -> tuple[int, int, int]:
+    """``(ready, processed, completed)`` of a loop's batches in the current epoch or pass."""
+    current = loop.batch_progress.current
+    return current.ready, current.processed, current.completed
+
+
+def _validation_due(trainer: L.Trainer) -> bool:
+    """Whether this is ``on_train_batch_end`` of a step after which validation runs."""
+    fit_loop = trainer.fit_loop
+    epoch_loop = fit_loop.epoch_loop
+    ready, processed, completed = _counts(epoch_loop)
+    after_step = 0 < ready == processed == completed + 1
+    if not trainer.training or not after_step or epoch_loop._skip_next_val:
+        return False
+    data_fetcher = fit_loop._data_fetcher
+    return data_fetcher is not None and bool(epoch_loop._should_check_val_fx(data_fetcher))
+
+
+def _val_loaders(trainer: L.Trainer) -> list[Any]:
+    combined = trainer.fit_loop.epoch_loop.val_loop._combined_loader
+    return list(combined.flattened) if combined is not None else []
+
+
+def _sequential(trainer: L.Trainer) -> bool:
+    combined = trainer.fit_loop.epoch_loop.val_loop._combined_loader
+    return combined is not None and combined._mode == "sequential"
+
+
+def _prefetched(trainer: L.Trainer) -> bool:
+    """Whether Lightning holds batches it fetched ahead (an unsized validation loader)."""
+    fetcher = trainer.fit_loop.epoch_loop.val_loop._data_fetcher
+    return bool(getattr(fetcher, "batches", None))
+
+
+def _is_stateful(loader: Any) -> bool:
+    return callable(getattr(loader, "state_dict", None)) and callable(
+        getattr(loader, "load_state_dict", None))
+
+
+def _states(trainer: L.Trainer, loaders: Sequence[Any], after_sanity: bool
+            ) -> list[Any] | None:
+    """The validation loaders' states to restore between passes (``None``: no loaders yet);
+    ``None`` for a loader without state or whose last pass (``after_sanity``: the sanity
+    check) stopped before its epoch ended."""
+    if not loaders:
+        return None
+    limits = trainer.fit_loop.epoch_loop.val_loop.max_batches
+    if after_sanity:
+        limits = [min(limit, trainer.num_sanity_val_steps) for limit in limits]
+    return [loader.state_dict() if _is_stateful(loader) and not _stops_early(loader, limit)
+            else None for loader, limit in zip(loaders, limits, strict=True)]
+
+
+def _stops_early(loader: Any, limit: float) -> bool:
+    """Whether a pass reads fewer than all of the loader's batches (``limit_val_batches``)."""
+    length = sized_len(loader)
+    return limit != float("inf") and (length is None or limit < length)
+
+
+def _reposition(trainer: L.Trainer, states: list[Any] | None, resuming: _Pending | None
+                ) -> tuple[int, int]:
+    """Give the validation loaders ``states`` and move the pass's iterator, made by the
+    loop's ``reset()`` and not read yet, to where ``resuming`` goes on; returns that
+    ``(dataloader_idx, batch_idx)``."""
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    combined = val_loop._combined_loader
+    fetcher = val_loop._data_fetcher
+    assert combined is not None and fetcher is not None
+    loaders = combined.flattened
+    for loader, state in zip(loaders, states or [None] * len(loaders), strict=True):
+        if state is not None and _is_stateful(loader):
+            loader.load_state_dict(state)
+    resuming = resuming or _Pending()
+    j, k, replay = resuming.dataloader_idx, resuming.batch_idx, resuming.replay
+    iterator: Any = combined._iterator
+    if combined._mode == "sequential":
+        iterator._iterator_idx = j
+        iterator._idx = k - replay
+        iterator._load_current_iterator()
+        before = sum(val_loop.max_batches[:j]) + k
+    else:
+        iter(iterator)
+        before = k
+    for _ in range(replay):
+        next(iterator)
+    fetcher.fetched = int(before) if before != float("inf") else 0
+    prefetched = getattr(fetcher, "batches", None)
+    if prefetched:
+        prefetched.clear()
+    return j, k
+
+
+@contextmanager
+def _epoch_as(trainer: L.Trainer, epoch: int) -> Iterator[None]:
+    """``trainer.current_epoch == epoch`` inside (``FitLoop.reset`` may have moved it on)."""
+    progress: Any = trainer.fit_loop.epoch_progress.current  # a _ProcessedTracker
+    shift = progress.completed - epoch
+    progress.completed -= shift
+    progress.processed -= shift
+    try:
+        yield
+    finally:
+        progress.completed += shift
+        progress.processed += shift

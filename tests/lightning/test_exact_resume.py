@@ -1,0 +1,418 @@
+"""``ExactResume`` under a real Lightning ``Trainer`` (CPU): a resumed ``fit`` repeats the
+uninterrupted run's training *and* validation, from every checkpoint.
+
+The model records ``("epoch", epoch)`` at each epoch start, ``("train", epoch, batch_idx,
+ids)`` and ``("val", epoch, dataloader_idx, batch_idx, ids)``, and keeps the events so far in
+each checkpoint, so a resumed run ends with the whole stream: the prefix up to its checkpoint
+plus what it did itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.utilities import CombinedLoader
+from torch.utils.data import DataLoader
+
+from lightning_loaders import ResumableLoader, make_resumable
+from lightning_loaders.lightning.datamodule import ResumableDataModule
+from lightning_loaders.lightning.exact_resume import ExactResume
+from tests.conftest import IndexDataset
+from tests.ddp_harness import REPO, run_ddp
+from tests.lightning_harness import checkpoint_at, default_key, every_step_checkpoints, make_trainer
+
+Event = tuple[Any, ...]
+Loaders = Callable[[], tuple[Any, Any]]
+STEPS = 12  # 2 epochs of 6 training batches
+
+
+class EventModule(L.LightningModule):
+    """Records what every training and validation step saw; checkpoints carry the record."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.events: list[Event] = []
+
+    def on_train_epoch_start(self) -> None:
+        self.events.append(("epoch", self.current_epoch))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.events.append(("train", self.current_epoch, batch_idx, default_key(batch)))
+        return (self.weight - 1.0).pow(2).sum()
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.events.append(("val", self.current_epoch, dataloader_idx, batch_idx,
+                            default_key(batch)))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["events"] = list(self.events)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.events = [tuple(event) for event in checkpoint["events"]]
+
+
+class SaveDuringValidation(L.Callback):
+    """Writes ``path`` from inside validation pass ``pass_index`` (0-based, fit only), when
+    ``hook`` runs for batch ``batch_idx`` of loader ``dataloader_idx``, as a preemption
+    handler would."""
+
+    def __init__(self, path: Path, pass_index: int, batch_idx: int, dataloader_idx: int = 0,
+                 hook: str = "on_validation_batch_end") -> None:
+        self.path = path
+        self.target = (pass_index, dataloader_idx, batch_idx)
+        self.hook = hook
+        self.passes = -1
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.passes += 1
+
+    def _maybe_save(self, trainer: L.Trainer, hook: str, batch_idx: int,
+                    dataloader_idx: int) -> None:
+        if hook == self.hook and (self.passes, dataloader_idx, batch_idx) == self.target:
+            trainer.save_checkpoint(self.path)
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                                  batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._maybe_save(trainer, "on_validation_batch_start", batch_idx, dataloader_idx)
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                                outputs: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        self._maybe_save(trainer, "on_validation_batch_end", batch_idx, dataloader_idx)
+
+
+def resumable(val_batches: int = 3, val_loaders: int = 1, shuffle_val: bool = False) -> Loaders:
+    """12 shuffled training samples in batches of 2; validation over ``val_batches`` batches
+    of 2 per loader, with ``ResumableLoader(..., evaluation=True)``."""
+
+    def make() -> tuple[Any, Any]:
+        train = ResumableLoader(IndexDataset(12), batch_size=2, shuffle=True, seed=3)
+        val = [ResumableLoader(IndexDataset(2 * val_batches + 10 * i), batch_size=2,
+                               shuffle=shuffle_val, seed=4, evaluation=True)
+               for i in range(val_loaders)]
+        return train, val[0] if val_loaders == 1 else val
+
+    return make
+
+
+def plain_validation(kind: str) -> Loaders:
+    """Validation with a plain ``DataLoader``, or one through ``make_resumable``."""
+
+    def make() -> tuple[Any, Any]:
+        train, _ = resumable()()
+        val = DataLoader(IndexDataset(6), batch_size=2)
+        return train, make_resumable(val, evaluation=True) if kind == "make_resumable" else val
+
+    return make
+
+
+def fit(loaders: Loaders, root: Path, callbacks: Iterable[Any] = (), exact: bool = True,
+        ckpt_path: Path | None = None, max_epochs: int = 2,
+        module: Callable[[], EventModule] = EventModule, **trainer_kwargs: Any) -> list[Event]:
+    """One ``fit`` with fresh loaders and model; returns the whole event stream."""
+    model = module()
+    callbacks = [*([ExactResume()] if exact else []), *callbacks]
+    trainer = make_trainer(root, max_epochs, callbacks, **trainer_kwargs)
+    train, val = loaders()
+    trainer.fit(model, train, val, ckpt_path=str(ckpt_path) if ckpt_path else None)
+    return model.events
+
+
+def resume_from_every_step(loaders: Loaders, root: Path, exact: bool = True,
+                           **trainer_kwargs: Any) -> tuple[list[Event], list[int], list[int]]:
+    """The uninterrupted stream, the optimizer steps checkpointed (all of them), and those
+    whose checkpoint resumes to exactly that stream."""
+    directory = root / "checkpoints"
+    full = fit(loaders, root, [every_step_checkpoints(directory)], exact=exact,
+               **trainer_kwargs)
+    steps = sorted(int(path.stem.removeprefix("step=")) for path in directory.glob("*.ckpt"))
+    exact_steps = [step for step in steps
+                   if fit(loaders, root, exact=exact, ckpt_path=checkpoint_at(directory, step),
+                          **trainer_kwargs) == full]
+    return full, steps, exact_steps
+
+
+def validation_passes(events: list[Event]) -> list[int]:
+    """How many training steps came before each validation pass."""
+    passes: list[int] = []
+    steps, in_pass = 0, False
+    for event in events:
+        if event[0] == "val" and not in_pass:
+            passes.append(steps)
+        in_pass = event[0] == "val"
+        steps += event[0] == "train"
+    return passes
+
+
+@pytest.mark.parametrize("loaders", [resumable(), plain_validation("plain"),
+                                     plain_validation("make_resumable"),
+                                     resumable(shuffle_val=True)],
+                         ids=["ResumableLoader", "DataLoader", "make_resumable", "shuffled"])
+def test_every_checkpoint_resumes_to_the_uninterrupted_run(tmp_path: Path,
+                                                           loaders: Loaders) -> None:
+    full, steps, exact_steps = resume_from_every_step(loaders, tmp_path, val_check_interval=0.5)
+    assert validation_passes(full) == [3, 6, 9, 12]
+    assert sum(event[0] == "val" for event in full) == 4 * 3
+    assert exact_steps == steps == list(range(1, STEPS + 1))  # 12/12
+
+
+def test_without_it_a_shuffled_validation_loader_restarts_its_order(tmp_path: Path) -> None:
+    """Each pass is a new epoch of the validation loader: its state must travel with the
+    checkpoint even between passes (Lightning saves only the training loaders')."""
+    full, _, exact_steps = resume_from_every_step(resumable(shuffle_val=True), tmp_path,
+                                                  exact=False, val_check_interval=0.5)
+    orders = [tuple(i for e in full if e[0] == "val" for i in e[4])[p * 6:p * 6 + 6]
+              for p in range(4)]
+    assert len(set(orders)) == 4
+    assert exact_steps == [1, 2]  # from the second pass on, a fresh loader repeats pass 0
+
+
+class Recording(IndexDataset):
+    """Remembers every index it was asked for, in ``fetched``."""
+
+    def __init__(self, n: int, fetched: list[int]) -> None:
+        super().__init__(n)
+        self.fetched = fetched
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        self.fetched.append(index)
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("kind", ["ResumableLoader", "DataLoader"])
+def test_the_rest_of_a_pass_comes_from_the_cursor_or_a_replay(tmp_path: Path,
+                                                              kind: str) -> None:
+    """A resumable validation loader jumps to where the pass stood; a plain one is read from
+    its start and the validated batches are dropped."""
+    fetched: list[int] = []
+
+    def loaders() -> tuple[Any, Any]:
+        train, _ = resumable()()
+        if kind == "DataLoader":
+            return train, DataLoader(Recording(10, fetched), batch_size=2)
+        return train, ResumableLoader(Recording(10, fetched), batch_size=2, evaluation=True)
+
+    path = tmp_path / "inside.ckpt"
+    full = fit(loaders, tmp_path, [SaveDuringValidation(path, 1, 2)], val_check_interval=0.5)
+    fetched.clear()
+    assert fit(loaders, tmp_path, ckpt_path=path, val_check_interval=0.5) == full
+    rest = [6, 7, 8, 9]
+    expected = list(range(6)) + rest if kind == "DataLoader" else rest
+    assert fetched[:len(expected)] == expected
+
+
+@pytest.mark.parametrize("loaders", [resumable(), plain_validation("plain")],
+                         ids=["ResumableLoader", "DataLoader"])
+def test_without_it_the_validation_due_at_the_checkpointed_step_is_lost(
+        tmp_path: Path, loaders: Loaders) -> None:
+    """The upstream behaviour ExactResume fixes (Lightning #19549, #20277, #20288)."""
+    full, steps, exact_steps = resume_from_every_step(loaders, tmp_path, exact=False,
+                                                      val_check_interval=0.5)
+    assert validation_passes(full) == [3, 6, 9, 12]
+    assert steps == list(range(1, STEPS + 1))
+    assert exact_steps == [1, 2, 4, 5, 7, 8, 10, 11]  # 8/12: not the steps that validate
+
+
+@pytest.mark.parametrize(("options", "passes", "checkpoints"), [
+    ({"val_check_interval": 2}, [2, 4, 6, 8, 10, 12], 12),
+    ({"val_check_interval": 4, "check_val_every_n_epoch": None}, [4, 8, 12], 12),
+    ({"val_check_interval": 0.5, "check_val_every_n_epoch": 2}, [9, 12], 12),
+    ({"check_val_every_n_epoch": 2, "max_epochs": 4}, [12, 24], 24),
+    ({"val_check_interval": 0.5, "num_sanity_val_steps": 2}, [0, 3, 6, 9, 12], 12),
+    ({"val_check_interval": 2, "accumulate_grad_batches": 2}, [2, 4, 6, 8, 10, 12], 6),
+], ids=["int", "int-across-epochs", "every-2-epochs-twice", "every-2-epochs", "sanity-check",
+        "accumulate"])
+def test_validation_schedules(tmp_path: Path, options: dict[str, Any], passes: list[int],
+                              checkpoints: int) -> None:
+    full, steps, exact_steps = resume_from_every_step(resumable(), tmp_path, **options)
+    assert validation_passes(full) == passes
+    assert exact_steps == steps == list(range(1, checkpoints + 1))
+
+
+def test_limit_val_batches_and_the_validation_cursor(tmp_path: Path) -> None:
+    """Each pass reads 2 of the loader's 5 batches; the loader's cursor carries on between
+    passes, and the resumed run must carry on from where the checkpoint left it."""
+    full, steps, exact_steps = resume_from_every_step(resumable(val_batches=5), tmp_path,
+                                                      val_check_interval=0.5,
+                                                      limit_val_batches=2)
+    assert validation_passes(full) == [3, 6, 9, 12]
+    assert sum(event[0] == "val" for event in full) == 4 * 2
+    assert exact_steps == steps == list(range(1, STEPS + 1))
+
+
+def test_several_validation_loaders(tmp_path: Path) -> None:
+    full, steps, exact_steps = resume_from_every_step(resumable(val_loaders=2), tmp_path,
+                                                      val_check_interval=0.5)
+    assert {event[2] for event in full if event[0] == "val"} == {0, 1}
+    assert exact_steps == steps == list(range(1, STEPS + 1))
+
+
+def combined(mode: str) -> Loaders:
+    """Validation over a ``CombinedLoader`` of two resumable loaders in ``mode``."""
+
+    def make() -> tuple[Any, Any]:
+        train, _ = resumable()()
+        val = CombinedLoader({"a": ResumableLoader(IndexDataset(6), batch_size=2, evaluation=True),
+                              "b": ResumableLoader(IndexDataset(4), batch_size=2, evaluation=True)},
+                             mode)
+        return train, val
+
+    return make
+
+
+HALF = {"val_check_interval": 0.5}
+MID_VALIDATION = [
+    # loaders, pass, dataloader_idx, batch_idx, hook, ExactResume listed first, Trainer options
+    pytest.param(resumable(), 1, 0, 1, "on_validation_batch_end", True, HALF,
+                 id="end-of-epoch-pass"),
+    pytest.param(resumable(), 2, 0, 0, "on_validation_batch_end", True, HALF, id="first-batch"),
+    pytest.param(resumable(), 3, 0, 1, "on_validation_batch_end", False, HALF, id="last-pass"),
+    pytest.param(resumable(), 1, 0, 1, "on_validation_batch_start", True, HALF,
+                 id="step-not-run"),
+    pytest.param(resumable(), 1, 0, 2, "on_validation_batch_start", False, HALF,
+                 id="before-our-hook"),
+    pytest.param(plain_validation("plain"), 2, 0, 1, "on_validation_batch_end", True, HALF,
+                 id="DataLoader"),
+    pytest.param(plain_validation("plain"), 2, 0, 1, "on_validation_batch_start", True, HALF,
+                 id="DataLoader-step-not-run"),
+    pytest.param(resumable(shuffle_val=True), 2, 0, 1, "on_validation_batch_end", True, HALF,
+                 id="shuffled"),
+    pytest.param(resumable(val_batches=5), 2, 0, 0, "on_validation_batch_end", True,
+                 {**HALF, "limit_val_batches": 2}, id="limit_val_batches"),
+    pytest.param(resumable(), 1, 0, 1, "on_validation_batch_end", True,
+                 {"val_check_interval": 4, "check_val_every_n_epoch": None}, id="int-interval"),
+    pytest.param(resumable(val_loaders=2), 1, 1, 1, "on_validation_batch_end", True, HALF,
+                 id="second-loader"),
+    pytest.param(resumable(val_loaders=2), 1, 0, 2, "on_validation_batch_end", True, HALF,
+                 id="end-of-first-loader"),
+    pytest.param(resumable(val_loaders=2), 2, 1, 0, "on_validation_batch_start", False, HALF,
+                 id="second-loader-before-our-hook"),
+    pytest.param(combined("max_size"), 2, 0, 1, "on_validation_batch_end", True, HALF,
+                 id="CombinedLoader-max_size"),
+]
+
+
+@pytest.mark.parametrize(("loaders", "pass_index", "dataloader_idx", "batch_idx", "hook",
+                          "first", "options"), MID_VALIDATION)
+def test_a_checkpoint_inside_validation_resumes_with_the_rest_of_the_pass(
+        tmp_path: Path, loaders: Loaders, pass_index: int, dataloader_idx: int, batch_idx: int,
+        hook: str, first: bool, options: dict[str, Any]) -> None:
+    path = tmp_path / "inside.ckpt"
+    saver = SaveDuringValidation(path, pass_index, batch_idx, dataloader_idx, hook)
+    model = EventModule()
+    callbacks = [ExactResume(), saver] if first else [saver, ExactResume()]
+    make_trainer(tmp_path, 2, callbacks, **options).fit(model, *loaders())
+    full = model.events
+    saved = torch.load(path, weights_only=False)["events"]
+    assert saved[-1][0] == "val", "the checkpoint was written inside a validation pass"
+    assert fit(loaders, tmp_path, ckpt_path=path, **options) == full
+    assert fit(loaders, tmp_path, ckpt_path=path, exact=False, **options) != full
+
+
+def test_a_checkpoint_inside_the_rest_of_a_resumed_pass(tmp_path: Path) -> None:
+    """Interrupted twice in one pass: the second resume goes on from the second checkpoint."""
+    first, second = tmp_path / "first.ckpt", tmp_path / "second.ckpt"
+    full = fit(resumable(val_batches=5), tmp_path,
+               [SaveDuringValidation(first, 1, 1)], val_check_interval=0.5)
+    # the resumed run's pass 0 is the rest of the interrupted one (its batch 2 on)
+    for hook in ("on_validation_batch_end", "on_validation_batch_start"):
+        once = fit(resumable(val_batches=5), tmp_path,
+                   [SaveDuringValidation(second, 0, 3, hook=hook)], ckpt_path=first,
+                   val_check_interval=0.5)
+        assert once == full
+        twice = fit(resumable(val_batches=5), tmp_path, ckpt_path=second,
+                    val_check_interval=0.5)
+        assert twice == full, hook
+
+
+def test_checkpoints_written_by_a_resumed_run_resume_exactly_too(tmp_path: Path) -> None:
+    first = tmp_path / "first"
+    full = fit(resumable(), tmp_path, [every_step_checkpoints(first)], val_check_interval=0.5)
+    for start in (3, 6):  # resumed right before a validation pass, then checkpointed again
+        directory = tmp_path / f"after{start}"
+        again = fit(resumable(), tmp_path, [every_step_checkpoints(directory)],
+                    ckpt_path=checkpoint_at(first, start), val_check_interval=0.5)
+        assert again == full
+        for step in range(start + 1, STEPS + 1):
+            assert fit(resumable(), tmp_path, ckpt_path=checkpoint_at(directory, step),
+                       val_check_interval=0.5) == full, (start, step)
+
+
+class Data(ResumableDataModule):
+    def train_dataloader(self) -> Any:
+        return DataLoader(IndexDataset(12), batch_size=2, shuffle=True,
+                          generator=torch.Generator().manual_seed(5))
+
+    def val_dataloader(self) -> Any:
+        return DataLoader(IndexDataset(6), batch_size=2)
+
+
+def test_with_resumable_data_module(tmp_path: Path) -> None:
+    directory = tmp_path / "checkpoints"
+
+    def run(ckpt_path: Path | None = None, callbacks: Iterable[Any] = ()) -> list[Event]:
+        model = EventModule()
+        trainer = make_trainer(tmp_path, 2, [ExactResume(), *callbacks], val_check_interval=0.5)
+        trainer.fit(model, datamodule=Data(), ckpt_path=str(ckpt_path) if ckpt_path else None)
+        return model.events
+
+    full = run(callbacks=[every_step_checkpoints(directory)])
+    assert validation_passes(full) == [3, 6, 9, 12]
+    assert all(run(checkpoint_at(directory, step)) == full for step in range(1, STEPS + 1))
+
+
+def test_it_adds_no_warnings_or_log_records(tmp_path: Path,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "inside.ckpt"
+    fit(resumable(), tmp_path, [SaveDuringValidation(path, 1, 1)], val_check_interval=0.5)
+
+    def messages(exact: bool) -> set[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit(resumable(), tmp_path, ckpt_path=path, exact=exact, val_check_interval=0.5)
+        return {str(w.message) for w in caught if "ExactResume" not in str(w.message)}
+
+    with caplog.at_level(logging.DEBUG, logger="lightning_loaders"):
+        assert messages(exact=True) == messages(exact=False)
+    assert not [r for r in caplog.records if r.name.startswith("lightning_loaders")]
+
+
+def test_other_validation_loaders_on_resume_start_afresh_with_a_warning(tmp_path: Path) -> None:
+    directory = tmp_path / "checkpoints"
+    fit(resumable(), tmp_path, [every_step_checkpoints(directory)], val_check_interval=0.5)
+    with pytest.warns(UserWarning, match="states of 1 validation loaders but val_dataloader"):
+        events = fit(resumable(val_loaders=2), tmp_path, ckpt_path=checkpoint_at(directory, 3),
+                     val_check_interval=0.5)
+    assert validation_passes(events) == [3, 6, 9, 12]
+
+
+def test_a_state_from_another_version_is_refused() -> None:
+    with pytest.raises(ValueError, match="version 99"):
+        ExactResume().load_state_dict({"version": 99})
+
+
+def test_two_ranks(tmp_path: Path) -> None:
+    """Real 2-process DDP: resume from a step checkpoint with validation due and from one
+    written inside validation; every rank's stream equals its uninterrupted one."""
+    results = run_ddp(REPO / "tests" / "scripts" / "exact_resume_ddp.py", [str(tmp_path)],
+                      tmp_path / "results")
+    for rank, result in enumerate(results):
+        full = result["full"]
+        assert validation_passes(full) == [3, 6, 9, 12], rank
+        assert set(result["resumed"]) == {"step3", "step6", "inside"}
+        for name, resumed in result["resumed"].items():
+            assert resumed == full, (rank, name)
+    validated = [i for result in results for e in result["full"] if e[0] == "val" for i in e[4]]
+    assert sorted(validated) == sorted(list(range(12)) * 4), "each pass reads every sample once"
