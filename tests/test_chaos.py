@@ -251,7 +251,7 @@ def _valid(n: int, batch_size: int, world: int, policy: str) -> bool:
         schedules = _schedules(n, batch_size, world, policy, 0)
         if policy == "rollover":
             return n >= batch_size * world
-        len(schedules[0])
+        schedules[0].num_batches()
     except ValueError:
         return False
     return True
