@@ -16,14 +16,22 @@ from lightning_loaders.context import seeded_fetch
 from lightning_loaders.errors import SampleFetchError, fetch_error
 from lightning_loaders.hashing import mix64
 from lightning_loaders.orders.permutation import KeyedPermutation
-from lightning_loaders.schedule.requests import Cursor, Delivered, SlotEnd, SlotRequest
-from lightning_loaders.schedule.shard_plan import Piece, PlanConfig, plan_epoch
+from lightning_loaders.schedule.partition_plan import partition_epoch
+from lightning_loaders.schedule.requests import (
+    Cursor,
+    Delivered,
+    PartRequest,
+    SlotEnd,
+    SlotRequest,
+)
+from lightning_loaders.schedule.shard_plan import Piece, PlanConfig, locate, plan_epoch
 from lightning_loaders.sources.plain import PlainStream, sole_reader
 from lightning_loaders.sources.shards import ShardedSource
 
 __all__ = ["SlotFetcher", "SlotReader"]
 
 _WINDOW_SALT = 0x5749_4E44_4F57
+_PARTITION_SALT = 0x5041_5254_4954  # keys the shuffle windows of canonical partitions
 
 
 class SlotReader:
@@ -186,6 +194,8 @@ class SlotFetcher(Dataset[Any]):
     It keeps each slot's reader between requests (in the worker that serves the slot), so a
     slot's shards are read sequentially; a request its reader cannot continue (a new epoch, a
     resume, a request routed elsewhere) reopens the reader from the request's start cursor.
+    A ``PartRequest`` is read from canonical partitions the same way: a reader per partition
+    is kept in the worker and continued when the next request starts where it stopped.
     """
 
     def __init__(self, source: ShardedSource[Any], config: PlanConfig, slots: int, window: int,
@@ -194,9 +204,12 @@ class SlotFetcher(Dataset[Any]):
         self.source, self.config, self.slots, self.window = source, config, slots, window
         self.collate_fn = collate_fn if collate_fn is not None else default_collate
         self._readers: dict[int, SlotReader] = {}
+        self._partitions: dict[int, tuple[SlotReader, int]] = {}  # reader, next sample
         self._source_epoch: int | None = None
 
-    def __getitem__(self, request: SlotRequest) -> Delivered | SlotEnd:
+    def __getitem__(self, request: SlotRequest | PartRequest) -> Delivered | SlotEnd:
+        if isinstance(request, PartRequest):
+            return self._partition_batch(request)
         if request.start is None:
             return SlotEnd(-1)
         reader = None
@@ -241,6 +254,50 @@ class SlotFetcher(Dataset[Any]):
         for reader in self._readers.values():
             reader.close()
         self._readers.clear()
+        for reader, _ in self._partitions.values():
+            reader.close()
+        self._partitions.clear()
+
+    def _partition_batch(self, request: PartRequest) -> Delivered:
+        """One batch made of ``request.segments`` of canonical partitions."""
+        for partition, (kept, _) in list(self._partitions.items()):
+            if kept.generation != request.generation:
+                kept.close()
+                del self._partitions[partition]
+        reader: SlotReader | None = None
+        try:
+            self.set_epoch(request.epoch)
+            with seeded_fetch(self.config.seed, request.epoch, request.batch, request.rank,
+                               request.slot):
+                samples: list[Any] = []
+                for partition, start, count in request.segments:
+                    reader = self._partition_reader(request, partition, start)
+                    taken = reader.take(count)
+                    if len(taken) < count:
+                        raise ValueError(f"partition {partition} ran out of samples "
+                                         f"{reader.where()}: a shard is shorter than its "
+                                         "declared length")
+                    samples += taken
+                    self._partitions[partition] = (reader, start + count)
+                data = self.collate_fn(samples)
+        except Exception as exc:
+            raise _fetch_error(request, reader, exc) from exc
+        return Delivered(request.slot, request.batch, data, None)
+
+    def _partition_reader(self, request: PartRequest, partition: int, start: int) -> SlotReader:
+        """The reader of ``partition`` positioned at its sample ``start`` (kept or reopened)."""
+        kept = self._partitions.get(partition)
+        if kept is not None and kept[1] == start:
+            return kept[0]
+        if kept is not None:
+            kept[0].close()
+        config = self.config
+        pieces = partition_epoch(config, request.epoch, request.partitions).pieces[partition]
+        window_start = start - start % self.window
+        piece, offset = locate(pieces, window_start)
+        cursor = Cursor(0, start, window_start, piece, offset, None, False)
+        key = mix64(config.seed, request.epoch, partition, _PARTITION_SALT)
+        return SlotReader(self.source, pieces, cursor, self.window, key, request.generation)
 
     def _reader(self, request: SlotRequest) -> SlotReader:
         reader = self._readers.get(request.slot)
@@ -264,7 +321,7 @@ class SlotFetcher(Dataset[Any]):
         return reader
 
 
-def _fetch_error(request: SlotRequest, reader: SlotReader | None,
+def _fetch_error(request: SlotRequest | PartRequest, reader: SlotReader | None,
                  exc: Exception) -> SampleFetchError:
     """The error naming the batch and slot being read (and the shard, when it is known)."""
     shard = f" ({reader.where()})" if reader is not None else ""

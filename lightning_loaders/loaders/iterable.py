@@ -13,15 +13,19 @@ Slots and shards
 The plan of an epoch
     The shard order is reshuffled per epoch (``shuffle=True``), keyed by ``(seed, epoch)``.
 
-    *Known lengths* (the source declares ``shard_lengths``): the epoch's samples are the shards
-    laid end to end in that order; rank ``r`` reads a contiguous ``1/world_size`` of them and
-    each of its slots a contiguous part of that, so shards may be split between slots (opened
-    mid-shard with ``open_shard(index, start)``). Batch counts are fixed before the epoch
-    starts and equal on every rank: ``"keep"`` reads every sample once (the last batches of a
-    rank may be smaller, never empty), ``"drop"`` reads only full batches (the tail of the
-    epoch's order is dropped), ``"pad"`` fills every batch by wrapping around to the start of
-    the epoch's order, ``"rollover"`` carries the tail over to open the next epoch. ``len()``
-    is exact and the saved state is O(1).
+    *Known lengths* (the source declares ``shard_lengths``): the epoch's samples are the shards laid
+    end to end in that order, cut into ``partitions`` contiguous *canonical partitions* (chosen
+    once, saved in the state; see ``lightning_loaders.schedule.partition_plan``), each cut into
+    batches; rank ``r`` delivers batches ``r, r + world_size, ...`` of the partitions taken
+    round-robin, so shards may be split (opened mid-shard with ``open_shard(index, start)``) and the
+    order does not depend on the layout: a mid-epoch resume under another world size or
+    ``num_workers`` deals the rest of the epoch to the new layout exactly (``"rollover"`` keeps one
+    contiguous part per rank and slot, as below). Batch counts are fixed before the epoch starts and
+    equal on every rank: ``"keep"`` reads every sample once (the last batches of a rank may be
+    smaller, never empty), ``"drop"`` reads only full batches (the tail of the epoch's order is
+    dropped), ``"pad"`` fills every batch by wrapping around to the start of the epoch's order,
+    ``"rollover"`` carries the tail over to open the next epoch. ``len()`` is exact and the saved
+    state is O(1).
 
     *Unknown lengths*: whole shards are dealt out, rank first, in the epoch's order. Each slot
     reads its shards to the end (``"keep"`` delivers its short last batch, ``"drop"`` does
@@ -48,25 +52,25 @@ The plan of an epoch
     stage) are refused with the fix. The stream must be the same in every process; its
     ``set_epoch(epoch)``, if any, is called before each epoch.
 
-    ``shuffle_buffer=n`` additionally mixes samples within a slot: its stream is cut into
-    windows of ``n`` samples, each emitted in a permutation keyed by ``(seed, epoch, rank,
-    slot, window)``.
+    ``shuffle_buffer=n`` additionally mixes samples within a canonical partition (or, without
+    partitions, a slot): its stream is cut into windows of ``n`` samples, each emitted in a
+    permutation keyed by ``(seed, epoch, partition, window)`` (``(seed, epoch, rank, slot,
+    window)``).
 
-Exact resume
-    The cursor is the number of batches delivered to the caller (never counting prefetched
-    ones, nor the batch Lightning's fetcher holds ahead of the training step). With known
+    Exact resume The cursor is the number of batches delivered to the caller (never counting
+    prefetched ones, nor the batch Lightning's fetcher holds ahead of the training step). With known
     lengths every slot's position follows from it. With unknown lengths every slot reports its
-    position (piece, offset in the shard, and the shard iterator's own ``state_dict()`` if it
-    has one) with every batch; ``state_dict()`` gathers all ranks' positions with
-    ``all_gather_object`` (every rank calls it when Lightning checkpoints), so the state rank 0
-    saves restores every rank. An iterable dataset's own ``state_dict()`` (a Hugging Face
-    ``IterableDataset`` has one) is neither saved nor loaded: the loader keeps the position,
-    and restoring both would skip twice. Resuming mid-epoch with another ``num_workers`` or
-    world size is refused with an error saying why (the slots' streams would differ); at an
-    epoch boundary any configuration resumes. A worker process that dies is replaced the same
-    way: all workers restart from the position of the last batch received, so the stream goes
-    on as if nothing happened (at most ``max_worker_restarts`` times per epoch).
-"""
+    position (piece, offset in the shard, and the shard iterator's own ``state_dict()`` if it has
+    one) with every batch; ``state_dict()`` gathers all ranks' positions with ``all_gather_object``
+    (every rank calls it when Lightning checkpoints), so the state rank 0 saves restores every rank.
+    An iterable dataset's own ``state_dict()`` (a Hugging Face ``IterableDataset`` has one) is
+    neither saved nor loaded: the loader keeps the position, and restoring both would skip twice.
+    With canonical partitions, resuming mid-epoch with another ``num_workers`` or world size
+    continues exactly; otherwise (unknown lengths, ``"rollover"``, plain datasets) it is refused
+    with an error saying why (the slots' streams would differ); at an epoch boundary any
+    configuration resumes. A worker process that dies is replaced the same way: all workers restart
+    from the position of the last batch received, so the stream goes on as if nothing happened (at
+    most ``max_worker_restarts`` times per epoch). """
 
 from __future__ import annotations
 
@@ -85,7 +89,7 @@ from lightning_loaders.loaders.options import LoaderOptions
 from lightning_loaders.loaders.resumable import ResumableLoader
 from lightning_loaders.schedule.map_plan import LastBatch
 from lightning_loaders.schedule.map_schedule import resolve_last_batch
-from lightning_loaders.schedule.requests import Delivered, SlotEnd, SlotRequest
+from lightning_loaders.schedule.requests import Delivered, PartRequest, SlotEnd, SlotRequest
 from lightning_loaders.schedule.shard_plan import PlanConfig
 from lightning_loaders.schedule.shard_schedule import IterableSchedule
 from lightning_loaders.sources.plain import PlainStream
@@ -112,6 +116,11 @@ class ResumableIterableLoader(ResumableLoader):
         sync_interval: with unknown lengths under DDP, batches between two agreements of the
             ranks on how many batches they all still have (each rank holds up to this many
             batches ahead to answer, and its workers prefetch at least as many).
+        partitions: with known shard lengths (not ``"rollover"``), the number of canonical
+            partitions the epoch order is planned over; ``None``: the saved number on resume,
+            else world size x slots per rank. Fixed for the run (saved in the state). The
+            epoch order is the same for every layout given the same number; a multiple of
+            every layout's ranks x workers lets each worker read its own partitions.
 
     See the module docstring for the plan, the equal-count strategies and resume.
     """
@@ -130,6 +139,10 @@ class ResumableIterableLoader(ResumableLoader):
             raise ValueError(f"on_error={options.on_error!r} is not supported for iterable "
                              "datasets: a shard iterator that raised cannot go on past the "
                              "failing sample; skip bad records inside open_shard instead")
+        partitions = options.partitions
+        if partitions is not None and (not isinstance(partitions, int)
+                                       or isinstance(partitions, bool) or partitions < 1):
+            raise ValueError(f"partitions must be None or an int >= 1, got {partitions!r}")
         for name, value, low in (("shuffle_buffer", shuffle_buffer, 0),
                                  ("sync_interval", options.sync_interval, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -160,7 +173,7 @@ class ResumableIterableLoader(ResumableLoader):
         slots = max(1, options.num_workers)
         self.schedule = IterableSchedule(config, slots, max(1, shuffle_buffer),
                                          source.fingerprint, options.rank,
-                                         options.world_size)
+                                         options.world_size, partitions)
         self.sampler = EpochSampler(self.schedule)
         self._fetcher = SlotFetcher(source, config, slots, max(1, shuffle_buffer),
                                    options.collate_fn)
@@ -268,12 +281,12 @@ class ResumableIterableLoader(ResumableLoader):
         return iter(self._worker_pool(self._fetcher, sampler, prefetch))
 
 
-class _RequestSampler(Sampler[SlotRequest]):
+class _RequestSampler(Sampler[SlotRequest | PartRequest]):
     """The internal DataLoader's sampler: the current generation's requests at every iter()."""
 
     def __init__(self, schedule: IterableSchedule, with_skips: bool) -> None:
         self._schedule = schedule
         self._with_skips = with_skips
 
-    def __iter__(self) -> Iterator[SlotRequest]:
+    def __iter__(self) -> Iterator[SlotRequest | PartRequest]:
         return self._schedule.requests(self._with_skips)

@@ -54,10 +54,11 @@ class MapStyleLoader(ResumableLoader):
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
             raise TypeError(f"{type(self).__name__} needs a map-style dataset (with __len__ and "
                             "__getitem__); ResumableLoader picks the loader for an iterable one")
-        if options.shuffle_buffer != 0 or options.sync_interval != 8:
-            raise ValueError("shuffle_buffer and sync_interval are for iterable datasets; a "
-                             "map-style dataset is shuffled over the whole epoch with "
-                             "shuffle=True, and its ranks always have equal batch counts")
+        if options.shuffle_buffer != 0 or options.sync_interval != 8 or options.partitions:
+            raise ValueError("shuffle_buffer, sync_interval and partitions are for iterable "
+                             "datasets; a map-style dataset is shuffled over the whole epoch "
+                             "with shuffle=True, its ranks always have equal batch counts, and "
+                             "it resumes under any layout")
         batch_sampler = options.batch_sampler
         if batch_sampler is not None:
             o = options

@@ -51,6 +51,7 @@ class LoaderOptions:
     evaluation: bool
     shuffle_buffer: int
     sync_interval: int
+    partitions: int | None = None
 
 
 def check_loader_arguments(*, batch_size: Any, num_workers: Any, timeout: Any,

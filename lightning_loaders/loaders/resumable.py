@@ -53,8 +53,9 @@ class ResumableLoader(WorkerLoader):
             ``batch_size=1``, leftover samples (fewer than ranks) join the last batch of the
             first ranks instead of failing, so every sample is read once and every rank has the
             same number of batches.
-        shuffle_buffer, sync_interval: for iterable datasets (``ResumableIterableLoader``,
-            which an iterable dataset gets); a map-style dataset refuses them.
+        shuffle_buffer, sync_interval, partitions: for iterable datasets
+            (``ResumableIterableLoader``, which an iterable dataset gets); a map-style dataset
+            refuses them.
 
     ``timeout`` raises ``WorkerTimeoutError`` naming the worker whose batch is late. Workers
     stop on ``close()`` (also used as ``with loader:``), when the loader is collected, and when
@@ -109,6 +110,7 @@ class ResumableLoader(WorkerLoader):
         evaluation: bool = False,
         shuffle_buffer: int = 0,
         sync_interval: int = 8,
+        partitions: int | None = None,
     ) -> None:
         self._configure(dataset, LoaderOptions(
             batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
@@ -119,7 +121,7 @@ class ResumableLoader(WorkerLoader):
             pin_memory_device=pin_memory_device, in_order=in_order, seed=seed,
             last_batch=last_batch, rank=rank, world_size=world_size, on_error=on_error,
             max_worker_restarts=max_worker_restarts, evaluation=evaluation,
-            shuffle_buffer=shuffle_buffer, sync_interval=sync_interval))
+            shuffle_buffer=shuffle_buffer, sync_interval=sync_interval, partitions=partitions))
 
     def _configure(self, dataset: Any, options: LoaderOptions) -> None:
         """Check ``options`` for this kind of dataset and build the schedule and engine."""

@@ -2,8 +2,9 @@
 
 A map-style schedule sends ``BatchRequest``s (the dataset indices of one planned batch); a
 shard schedule sends ``SlotRequest``s (one batch of one (rank, worker) slot, from the slot's
-``Cursor``) and gets a ``Delivered`` batch or a ``SlotEnd``. All are plain tuples, so they cross
-to worker processes cheaply and save as plain lists.
+``Cursor``) or ``PartRequest``s (one batch cut from canonical partitions), and gets a
+``Delivered`` batch or a ``SlotEnd``. All are plain tuples, so they cross to worker processes
+cheaply and save as plain lists.
 """
 
 from __future__ import annotations
@@ -12,7 +13,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["SKIP", "BatchRequest", "Cursor", "Delivered", "SlotEnd", "SlotRequest"]
+__all__ = [
+    "SKIP",
+    "BatchRequest",
+    "Cursor",
+    "Delivered",
+    "PartRequest",
+    "SlotEnd",
+    "SlotRequest",
+]
 
 
 class BatchRequest(NamedTuple):
@@ -50,6 +59,20 @@ class SlotRequest(NamedTuple):
     batch: int
     size: int
     start: Cursor | None  # the slot's cursor when this generation began
+
+
+class PartRequest(NamedTuple):
+    """One batch of a rank planned over canonical partitions, as sent to a worker: the
+    ``segments`` ``(partition, first sample in its stream, count)`` it is made of."""
+
+    generation: int
+    epoch: int
+    rank: int
+    world_size: int
+    slot: int
+    batch: int
+    partitions: int
+    segments: tuple[tuple[int, int, int], ...]
 
 
 class Delivered(NamedTuple):

@@ -22,9 +22,11 @@ __all__ = [
     "Piece",
     "PlanConfig",
     "delivered_counts",
+    "epoch_pieces",
     "locate",
     "plan_epoch",
     "shard_order",
+    "split",
 ]
 
 _SHARD_ORDER_SALT = 0x5348_4152_4453  # keys shard orders apart from the core's sample orders
@@ -112,7 +114,7 @@ def _span_layout(config: PlanConfig, epoch: int, world_size: int, slots: int) ->
                     f"non-empty batches from {total} samples with batch_size={size}; use "
                     "last_batch='pad' or 'drop', a batch_size >= 2, or evaluation=True")
             batches = total // world_size  # the leftovers join the first ranks' last batch
-        per_rank = [_split(total // world_size + (r < total % world_size), batches, size)
+        per_rank = [split(total // world_size + (r < total % world_size), batches, size)
                     for r in range(world_size)]
     pieces, sizes, position = [], [], base
     for rank_sizes in per_rank:
@@ -142,12 +144,13 @@ def _stream_pieces(config: PlanConfig, epoch: int, begin: int, end: int) -> tupl
         cycle, offset = divmod(position, total)
         order_epoch = cycle if config.last_batch == "rollover" else epoch
         stop = min(end - cycle * total, total)
-        pieces += _epoch_pieces(config, order_epoch, offset, stop)
+        pieces += epoch_pieces(config, order_epoch, offset, stop)
         position = cycle * total + stop
     return tuple(pieces)
 
 
-def _epoch_pieces(config: PlanConfig, epoch: int, begin: int, end: int) -> list[Piece]:
+def epoch_pieces(config: PlanConfig, epoch: int, begin: int, end: int) -> list[Piece]:
+    """The pieces holding positions ``[begin, end)`` of epoch ``epoch``'s order of samples."""
     assert config.lengths is not None
     order = shard_order(config, epoch)
     lengths = np.asarray(config.lengths, dtype=np.int64)[order]
@@ -197,7 +200,7 @@ def _strided_layout(config: PlanConfig, world_size: int, slots: int) -> Layout:
         batches = max(sum(row) for row in counts)
         for rank, row in enumerate(counts):
             _add_batches(row, lengths[rank], batches, rank)
-        sizes = [[_split(n, c, size) for n, c in zip(lengths[r], counts[r], strict=True)]
+        sizes = [[split(n, c, size) for n, c in zip(lengths[r], counts[r], strict=True)]
                  for r in range(world_size)]
     pieces = tuple(
         tuple(_strided_pieces(r * slots + w, stride, lengths[r][w], sum(sizes[r][w]))
@@ -248,13 +251,13 @@ def _unknown_layout(config: PlanConfig, epoch: int, world_size: int, slots: int)
     return Layout(tuple(tuple(tuple(s) for s in r) for r in dealt), None, None)
 
 
-def _split(total: int, parts: int, size: int) -> tuple[int, ...]:
+def split(total: int, parts: int, size: int) -> tuple[int, ...]:
     """``total`` samples in ``parts`` batches of at most ``size``: full ones first, the rest
     as even as possible (never empty); samples beyond ``parts * size`` join the last batch."""
     if parts == 0:
         return ()
     if total > parts * size:
-        sizes = _split(parts * size, parts, size)
+        sizes = split(parts * size, parts, size)
         return sizes[:-1] + (sizes[-1] + total - parts * size,)
     full = parts if size == 1 else min(parts, (total - parts) // (size - 1))
     share, extra = divmod(total - full * size, parts - full) if parts > full else (0, 0)

@@ -13,7 +13,15 @@ import torch.distributed as dist
 from lightning_loaders.collectives import agree_same, gather_by_rank
 from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.schedule.epochs import EpochOwner
-from lightning_loaders.schedule.requests import SKIP, Cursor, Delivered, SlotEnd, SlotRequest
+from lightning_loaders.schedule.partition_plan import deal, uses_partitions
+from lightning_loaders.schedule.requests import (
+    SKIP,
+    Cursor,
+    Delivered,
+    PartRequest,
+    SlotEnd,
+    SlotRequest,
+)
 from lightning_loaders.schedule.shard_plan import (
     Layout,
     PlanConfig,
@@ -28,6 +36,8 @@ __all__ = ["IterableSchedule"]
 KIND = "iterable"
 SLOTS = "slots"  # the part: {"per_rank": slots per rank, "ended": ..., "positions": [rank][slot]}
 _PER_RANK, _ENDED, _POSITIONS = "per_rank", "ended", "positions"
+# canonical partitions: their number, and [first item, first batch] of the epoch's last deal
+_PARTITIONS, _BASE = "partitions", "base"
 
 
 class IterableSchedule(EpochOwner):
@@ -35,8 +45,13 @@ class IterableSchedule(EpochOwner):
     owned as every schedule owns them (``EpochOwner``)."""
 
     def __init__(self, config: PlanConfig, slots: int, window: int, fingerprint: str,
-                 rank: int | None, world_size: int | None) -> None:
+                 rank: int | None, world_size: int | None,
+                 partitions: int | None = None) -> None:
         self.config, self.slots, self.window = config, slots, window
+        self.requested_partitions = partitions
+        self.partitions: int | None = None  # fixed at the first epoch, or by a loaded state
+        self.base = (0, 0)  # (first item, first batch) of the current epoch's deal
+        self.first_request = 0  # the batch the current generation begins with
         self._fingerprint = fingerprint
         super().__init__(rank, world_size)
         self.ended = False
@@ -56,6 +71,11 @@ class IterableSchedule(EpochOwner):
         return self.config.lengths is not None
 
     @property
+    def canonical(self) -> bool:
+        """Whether epochs are planned over canonical partitions (``partition_plan``)."""
+        return uses_partitions(self.config)
+
+    @property
     def synced(self) -> bool:
         """Whether ranks must agree on the epoch's end at run time (unknown lengths, DDP)."""
         return not self.known and self.placement[1] > 1
@@ -68,9 +88,19 @@ class IterableSchedule(EpochOwner):
         if self.config.last_batch == "rollover":
             raise TypeError("len() is undefined with last_batch='rollover': epochs differ in "
                             "length by one batch as leftovers roll over")
+        if self.canonical:
+            rank, world_size = self.placement
+            return len(deal(self.config, 0, self._partition_count(), world_size)[rank])
         layout = plan_epoch(self.config, 0, self.placement[1], self.slots)
         assert layout.num_batches is not None
         return layout.num_batches
+
+    def _partition_count(self) -> int:
+        """The run's number of canonical partitions: saved, asked for, or (default) the
+        number of slots of the first layout, world size x slots per rank."""
+        if self.partitions is not None:
+            return self.partitions
+        return self.requested_partitions or self.placement[1] * self.slots
 
     # -- epochs -----------------------------------------------------------------------------
 
@@ -78,6 +108,9 @@ class IterableSchedule(EpochOwner):
         return not self.ended
 
     def _start_epoch(self, epoch: int, rank: int, world_size: int) -> None:
+        if self.canonical:
+            self.partitions = self._partition_count()
+            self.base = (0, 0)
         layout = self._layout(epoch)
         self._begin(epoch, 0, _first_cursors(layout, rank), layout)
 
@@ -90,17 +123,26 @@ class IterableSchedule(EpochOwner):
         """Begin a new generation just after the last batch received (new workers after a
         crash: batches received but not yet delivered stay valid)."""
         assert self.layout is not None
-        if self.known:
+        if self.canonical:
+            starts = []
+        elif self.known:
             starts = self._derived_cursors(self.layout, self.placement[0], self.received_batches)
         else:
             starts = list(self._received_cursors)
         self.generation += 1
         self.starts = tuple(starts)
+        self.first_request = self.received_batches
 
-    def requests(self, with_skips: bool) -> Iterator[SlotRequest]:
+    def requests(self, with_skips: bool) -> Iterator[SlotRequest | PartRequest]:
         """The current generation's batch requests, slot by slot round-robin."""
         assert self.epoch is not None and self.layout is not None
         rank, world_size = self.placement
+        if self.canonical:
+            assert self.partitions is not None
+            batches = self._dealt()
+            return (PartRequest(self.generation, self.epoch, rank, world_size, 0, t,
+                                self.partitions, batches[t - self.base[1]])
+                    for t in range(self.first_request, self.base[1] + len(batches)))
         sizes = self.layout.sizes[rank] if self.layout.sizes is not None else None
         return _requests(self.generation, self.epoch, rank, world_size, self.starts, sizes,
                          self.config.batch_size, self.exhausted, with_skips)
@@ -152,7 +194,16 @@ class IterableSchedule(EpochOwner):
                 "with a fixed seed, or a first-class source (lightning_loaders.sources: "
                 "HFSource, WebDatasetSource, ParquetSource)")
 
+    def _dealt(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+        """This rank's batches of the current epoch's deal (canonical partitions)."""
+        assert self.epoch is not None and self.partitions is not None
+        rank, world_size = self.placement
+        return deal(self.config, self.epoch, self.partitions, world_size, self.base[0])[rank]
+
     def _layout(self, epoch: int) -> Layout:
+        if self.canonical:
+            self.epoch = epoch
+            return Layout(((),) * self.placement[1], None, self.base[1] + len(self._dealt()))
         layout = plan_epoch(self.config, epoch, self.placement[1], self.slots)
         if self.synced and not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -164,6 +215,7 @@ class IterableSchedule(EpochOwner):
     def _begin(self, epoch: int, batches: int, cursors: list[Cursor], layout: Layout) -> None:
         self.epoch, self.batches, self.layout = epoch, batches, layout
         self.cursors, self.starts = list(cursors), tuple(cursors)
+        self.first_request = batches
         self.exhausted = {w for w, cursor in enumerate(cursors) if cursor.exhausted}
         self.generation += 1
         self.received_batches = self._start_batches = batches
@@ -176,10 +228,13 @@ class IterableSchedule(EpochOwner):
         slots = state.parts[SLOTS]
         workers, ended = slots[_PER_RANK], bool(slots.get(_ENDED, False))
         self._owner = state.trainer_epoch
+        if self.canonical:
+            self._resume_partitions(slots, state.world_size, state.batches)
         if ended:
             self.epoch, self.batches, self.ended = state.epoch, state.batches, True
             return
-        if state.batches and (state.world_size, workers) != (world_size, self.slots):
+        if (state.batches and not self.canonical
+                and (state.world_size, workers) != (world_size, self.slots)):
             raise ValueError(
                 f"cannot resume mid-epoch (epoch {state.epoch}, after batch {state.batches}) "
                 f"with another world size or number of worker slots: saved world_size="
@@ -187,15 +242,40 @@ class IterableSchedule(EpochOwner):
                 f"slots per rank={self.slots} (num_workers, or 1 for num_workers=0). Each "
                 "(rank, worker) reads its own part of the shards, so the rest of the epoch would "
                 "repeat or skip data. Resume with the saved configuration, or from a checkpoint "
-                "taken at an epoch end")
+                "taken at an epoch end. Only known shard lengths without last_batch='rollover' "
+                "plan over canonical partitions, which resume under any layout")
         layout = self._layout(state.epoch)
-        if not state.batches:
+        if not state.batches or self.canonical:
             cursors = _first_cursors(layout, rank)
         elif self.known:
             cursors = self._derived_cursors(layout, rank, state.batches)
         else:
             cursors = _saved_cursors(slots, rank, self.slots)
         self._begin(state.epoch, state.batches, cursors, layout)
+
+    def _resume_partitions(self, slots: Mapping[str, Any], saved_world: int,
+                           batches: int) -> None:
+        """Take the saved partition count and rebase the deal at the cursor's item, so the
+        rest of the epoch is dealt to the current layout."""
+        saved = slots.get(_PARTITIONS)
+        if saved is None:
+            if batches:
+                raise ValueError(
+                    "this mid-epoch state was saved by a version that planned per (rank, "
+                    "worker) slot, not over canonical partitions; resume it with that version, "
+                    "or from a checkpoint taken at an epoch end")
+            saved = self._partition_count()
+        if not isinstance(saved, int) or saved < 1:
+            raise StateMismatchError(f"corrupted loader state: parts[{SLOTS!r}][{_PARTITIONS!r}]"
+                                     f" must be an int >= 1, got {saved!r}")
+        if self.requested_partitions not in (None, saved):
+            raise ValueError(
+                f"partitions={self.requested_partitions} differs from the {saved} canonical "
+                "partitions the state was saved with: the epoch order depends on them. Pass "
+                f"partitions={saved} (or leave it unset to take the saved number)")
+        first, batch = slots.get(_BASE, (0, 0))
+        self.partitions = saved
+        self.base = (first + (batches - batch) * saved_world, batches) if batches else (0, 0)
 
     def _derived_cursors(self, layout: Layout, rank: int, batches: int) -> list[Cursor]:
         """Known lengths: every slot's position after ``batches`` delivered batches."""
@@ -215,6 +295,8 @@ class IterableSchedule(EpochOwner):
         return cursors
 
     def _delivered_cursors(self) -> list[Cursor]:
+        if self.canonical:
+            return []
         if self.known:
             assert self.layout is not None
             return self._derived_cursors(self.layout, self.placement[0], self.batches)
@@ -239,6 +321,10 @@ class IterableSchedule(EpochOwner):
             return self._pending.to_dict()
         rank, world_size = self.placement
         slots: dict[str, Any] = {_PER_RANK: self.slots, _ENDED: False}
+        if self.canonical and self.partitions is not None:
+            slots[_PARTITIONS] = self.partitions
+            if self.base != (0, 0):
+                slots[_BASE] = list(self.base)
         if self.epoch is None:
             return LoaderState(KIND, self._trainer_epoch or 0, 0, world_size,
                                trainer_epoch=self._trainer_epoch,
