@@ -18,7 +18,12 @@ from lightning.pytorch.utilities import CombinedLoader
 from lightning_loaders import ResumableLoader
 from lightning_loaders.sources.shards import SequenceSource
 from tests.conftest import IndexDataset
-from tests.lightning_harness import check_trainer_resume
+from tests.lightning_harness import (
+    check_trainer_resume,
+    checkpoint_at,
+    every_step_checkpoints,
+    fit_recording,
+)
 
 MODES = ["max_size", "max_size_cycle", "min_size"]
 LONG, SHORT = 6, 3  # batches per epoch of the members
@@ -58,6 +63,12 @@ def test_every_checkpoint_resumes_every_member_exactly(tmp_path: Path, mode: str
                    for epoch in a)
     if mode == "max_size":
         assert all(epoch[SHORT:] == [None] * (LONG - SHORT) for epoch in b)
+        chained = tmp_path / "chained"  # checkpoints written while ``b`` stays finished
+        fit_recording(make, tmp_path, 2, [every_step_checkpoints(chained)],
+                      ckpt_path=checkpoint_at(tmp_path / "checkpoints", SHORT))
+        for step in (SHORT + 1, LONG - 1):
+            assert fit_recording(make, tmp_path, 2,
+                                 ckpt_path=checkpoint_at(chained, step)) == full[step:]
     if mode == "max_size_cycle":
         assert all(epoch[:SHORT] != epoch[SHORT:] for epoch in b), "a cycle is a new epoch"
     assert b[0][:SHORT] != b[1][:SHORT], "each epoch of a member has its own order"
