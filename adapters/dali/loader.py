@@ -230,6 +230,8 @@ class DALILoader(DeliveryCore):
             engine = self._engine.engine
             entries = gather_by_rank(engine.entry() if engine else None, rank, world_size)
             state[PARTS] = {**state[PARTS], _STATE_KEY: entries}
+        elif _STATE_KEY not in state[PARTS]:  # restored at an epoch's end, not read since
+            state[PARTS] = {**state[PARTS], _STATE_KEY: self._restore.entries}
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -261,6 +263,12 @@ class DALILoader(DeliveryCore):
                 "(dataset=...) for elastic resume"
             )
         schedule.begin_epoch()
+        if schedule.remaining == 0:
+            # A restored cursor at its epoch's end that stays exhausted (the trainer is still
+            # in that epoch, a CombinedLoader(mode="max_size") draining longer members): nothing
+            # to read; the saved pipeline is restored when the next epoch starts.
+            self._restore = restore
+            return iter(())
         return self._deliver(self._seek(schedule, restore), schedule)
 
     def _reopen(self) -> Iterator[Any]:

@@ -20,11 +20,14 @@ Lightning 2.6 restores where training stood, but not where validation stood:
 
 ``ExactResume`` saves, with every checkpoint, which validation is pending and the validation
 loaders' states; on restore it runs the pending validation (or the rest of it) once, before
-training goes on, and lets the next epoch start as usual.
+training goes on, and lets the next epoch start as usual. It also logs, once per checkpoint
+save, each training loader's cursor and resume-audit digest, so that two runs can be compared
+from their logs.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
@@ -37,9 +40,12 @@ from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_loaders.schedule.audit import saved_digest
+
 __all__ = ["ExactResume"]
 
 _VERSION = 1
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,6 +212,18 @@ class ExactResume(Callback):
         pending = state_dict["pending"]
         self._pending = _Pending.from_dict(pending) if pending is not None else None
         self._loader_states = state_dict["loaders"]
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """Log at INFO each training loader's saved cursor (epoch, batches) and its resume
+        audit digest (``lightning_loaders.schedule.audit``; ``-`` where the loader has none):
+        the same line in two runs means the same batch stood before the cursor."""
+        loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        for index, state in enumerate(loop.get("combined_loader", [])):
+            if isinstance(state, dict) and "epoch" in state and "batches" in state:
+                _log.info("checkpoint at global step %d, rank %d: training loader %d at epoch "
+                          "%s, batch %s, digest %s", trainer.global_step, trainer.global_rank,
+                          index, state["epoch"], state["batches"], saved_digest(state) or "-")
 
     # -- hooks ------------------------------------------------------------------------------
 

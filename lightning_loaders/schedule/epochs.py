@@ -5,10 +5,20 @@ cursor continues or the next epoch begins.
 The rule (Lightning may create an iterator before calling ``set_epoch`` on a restart, and may
 pass a stale epoch, #21938):
 
-- a restored cursor continues, unless it is at its epoch's end or the trainer has moved to a
-  later epoch than the one the cursor's epoch began under;
+- a restored cursor continues, unless the trainer has moved to a later epoch than the one the
+  cursor's epoch began under (its *owner*);
+- a restored cursor at its epoch's end stays exhausted (delivers nothing) when the trainer,
+  after the restore, declares the very epoch the cursor's epoch began under: it is resuming that
+  epoch, and may still be draining longer loaders beside this one
+  (``CombinedLoader(mode="max_size")`` keeps a finished member finished until the longest one
+  ends, DESIGN.md section 2). Lightning's fit loop restores training loaders, then calls
+  ``set_epoch``; ``max_size_cycle`` re-iterates the exhausted member, which starts its next
+  epoch, as it would have uninterrupted;
 - otherwise the next epoch starts: one past the current epoch, or the trainer's epoch if that
-  is later (so an unfinished epoch's tail is abandoned, as after ``limit_train_batches``).
+  is later (so an unfinished epoch's tail is abandoned, as after ``limit_train_batches``). So
+  a restored cursor at its epoch's end starts the next epoch without ``set_epoch`` after the
+  restore, or when the epoch was declared before it (``ExactResume`` restores a validation
+  loader between passes after the evaluation loop's ``set_epoch``: its next pass begins).
 
 The trainer epoch an epoch began under (its *owner*) is saved with the cursor, so a restored
 schedule makes exactly the decision the uninterrupted one would have made.
@@ -21,7 +31,7 @@ from typing import Any
 from lightning_loaders.placement import resolve_rank_world
 from lightning_loaders.state import LoaderState
 
-__all__ = ["EpochOwner", "following_epoch", "trainer_moved_on"]
+__all__ = ["EpochOwner", "following_epoch", "still_draining", "trainer_moved_on"]
 
 
 class EpochOwner:
@@ -42,6 +52,7 @@ class EpochOwner:
         self._pending: LoaderState | None = None
         self._trainer_epoch: int | None = None
         self._owner: int | None = None
+        self._declared_for: LoaderState | None = None  # the restored state set_epoch followed
 
     @property
     def placement(self) -> tuple[int, int]:
@@ -55,6 +66,7 @@ class EpochOwner:
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
         self._trainer_epoch = epoch
+        self._declared_for = self._pending
 
     def begin_epoch(self) -> None:
         """Fix placement and decide which epoch and batch come next (see the module
@@ -63,13 +75,16 @@ class EpochOwner:
         rank, world_size = self._placement = self.placement
         pending, self._pending = self._pending, None
         trainer = self._trainer_epoch
+        declared = trainer if pending is not None and self._declared_for is pending else None
         if pending is not None:
             try:
                 self._resume(pending, rank, world_size)
             except BaseException:
                 self._pending = pending
                 raise
-            if self._has_rest() and not trainer_moved_on(trainer, self._owner):
+            self._declared_for = None
+            if not trainer_moved_on(trainer, self._owner) and (
+                    self._has_rest() or still_draining(declared, self._owner)):
                 return
         epoch = following_epoch(self.epoch, trainer, self._owner)
         self._owner = trainer
@@ -101,6 +116,13 @@ def trainer_moved_on(trainer_epoch: int | None, owner: int | None) -> bool:
     """Whether the trainer's epoch (its last ``set_epoch``) is later than the one the current
     epoch began under (``owner``): the trainer has then abandoned the current epoch."""
     return trainer_epoch is not None and owner is not None and trainer_epoch > owner
+
+
+def still_draining(declared_epoch: int | None, owner: int | None) -> bool:
+    """Whether a restored cursor at its epoch's end stays exhausted: the trainer epoch declared
+    after the restore (``None``: none) is the one that epoch began under, so the trainer is
+    resuming it, not starting the next."""
+    return declared_epoch is not None and declared_epoch == owner
 
 
 def following_epoch(current: int | None, trainer_epoch: int | None, owner: int | None) -> int:

@@ -18,6 +18,7 @@ import torch
 
 from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.orders.base import SampleOrder
+from lightning_loaders.schedule.audit import AUDIT, audit_part, batch_digest, check_audit
 from lightning_loaders.schedule.epochs import EpochOwner
 from lightning_loaders.schedule.map_plan import (
     LAST_BATCH_POLICIES,
@@ -59,6 +60,7 @@ class MapSchedule(EpochOwner):
         super().__init__(rank, world_size)
         self._offset_batches = 0
         self.plan: EpochPlan | None = None
+        self._audited: tuple[tuple[int, ...], str] | None = None  # the last digest, cached
 
     # -- size -------------------------------------------------------------------------------
 
@@ -171,18 +173,36 @@ class MapSchedule(EpochOwner):
             assert self.plan is not None
             offset = 0 if self.last_batch == "rollover" else self.plan.start
             batches = max(self.batches - held, self._offset_batches)
-            state = LoaderState(KIND, self.epoch, batches, self.placement[1], offset,
+            rank, world_size = self.placement
+            digest = self._digest(self.epoch, batches, self._offset_batches, offset, world_size,
+                                  rank)
+            state = LoaderState(KIND, self.epoch, batches, world_size, offset,
                                 self._offset_batches, self._owner, fingerprint=self.fingerprint(),
-                                parts=self._order_state())
+                                parts={**self._order_state(), AUDIT: audit_part(rank, digest)})
         return state.to_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a cursor; the next ``begin_epoch`` continues exactly after its last batch."""
         state = LoaderState.from_dict(state_dict, KIND, self.fingerprint())
         self._check_cursor(state)
-        self._pending = state
+        previous = None
         if isinstance(self.order, Stateful) and ORDER_STATE in state.parts:
+            previous = self.order.state_dict()
             self.order.load_state_dict(state.parts[ORDER_STATE])
+        if AUDIT in state.parts:
+            self._audited = None  # the order's restored state may draw otherwise
+            try:
+                check_audit(state.parts[AUDIT], state.epoch, state.batches, state.world_size,
+                            lambda rank: self._digest(state.epoch, state.batches,
+                                                      state.offset_batches,
+                                                      state.offset_position, state.world_size,
+                                                      rank))
+            except StateMismatchError:
+                if previous is not None:
+                    assert isinstance(self.order, Stateful)
+                    self.order.load_state_dict(previous)
+                raise
+        self._pending = state
 
     def _check_cursor(self, state: LoaderState) -> None:
         """Refuse a cursor outside the plan it was counted in (a corrupted or edited state)."""
@@ -199,6 +219,29 @@ class MapSchedule(EpochOwner):
                 f"of epoch {state.epoch}, which has "
                 f"{state.offset_batches + plan.num_batches} batches on world size "
                 f"{state.world_size}")
+
+    def _digest(self, epoch: int, batches: int, offset_batches: int, offset_position: int,
+                world_size: int, rank: int) -> str:
+        """The audit digest (``lightning_loaders.schedule.audit``) of the cursor ``(epoch,
+        batches)`` on ``rank``: of the last batch delivered under the plan the cursor counts in,
+        or, when none was, of the plan's first; O(batch), never O(epoch)."""
+        key = (epoch, batches, offset_batches, offset_position, world_size, rank,
+               self.order_version)
+        if self._audited is not None and self._audited[0] == key:
+            return self._audited[1]
+        plan = self.plan_for(epoch, world_size, offset_position)
+        batch = min(max(batches - offset_batches - 1, 0), plan.num_batches - 1)
+        if batch < 0:
+            digest = batch_digest(epoch, -1, rank, world_size, np.empty(0), np.empty(0))
+        else:
+            positions = plan.positions(batch, rank)[None, :]
+            sample_epochs, _, indices = _locate(
+                self.order, epoch, positions,
+                self.dataset_len if self.last_batch == "rollover" else None)
+            digest = batch_digest(epoch, offset_batches + batch, rank, world_size,
+                                  sample_epochs, indices)
+        self._audited = (key, digest)
+        return digest
 
     def _order_state(self) -> dict[str, Any]:
         """The order's own state (a drawn sampler's, re-weighted weights), if it has one."""

@@ -16,15 +16,23 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from lightning.pytorch.utilities import CombinedLoader
 from nvidia.dali import fn, pipeline_def
 from nvidia.dali.types import DALIDataType as DType
 from torch.utils.data import RandomSampler
 
-from lightning_loaders import sample_rng
+from lightning_loaders import ResumableLoader, sample_rng
 from lightning_loaders.adapters.dali import DALILoader, FileSamples
 from lightning_loaders.testing import check_resume_at_every_step, run_epochs, set_epoch
+from tests.conftest import IndexDataset
 from tests.ddp_harness import REPO, run_ddp
-from tests.lightning_harness import check_trainer_resume, make_trainer
+from tests.lightning_harness import (
+    check_trainer_resume,
+    checkpoint_at,
+    every_step_checkpoints,
+    fit_recording,
+    make_trainer,
+)
 from tests.scripts.dali_common import (
     key,
     make_loader,
@@ -390,3 +398,22 @@ def test_missing_dali_names_the_extra_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "nvidia.dali", None)
     with pytest.raises(ImportError, match=r"lightning-loaders\[dali\]"):
         DALILoader(reader_pipeline, ["x", "y"], batch_size=4, reader_name="Reader")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_dali_member_of_a_max_size_combined_loader_stays_finished(files, tmp_path, mode):
+    """``CombinedLoader(mode="max_size")``: the DALI member (2 batches) ends before the
+    longer ``ResumableLoader`` and stays finished after a resume at or past its end."""
+    def make() -> CombinedLoader:
+        return CombinedLoader({
+            "a": ResumableLoader(IndexDataset(10), batch_size=2, shuffle=True, seed=1),
+            "b": make_loader(mode, files[:16], 8),
+        }, mode="max_size")
+
+    full = check_trainer_resume(make, tmp_path, max_epochs=2)
+    assert [step[2]["b"] is None for step in full] == [False] * 2 + [True] * 3 + [False] * 2 + [
+        True] * 3
+    chained = tmp_path / "chained"  # a checkpoint written while the member stays finished
+    fit_recording(make, tmp_path, 2, [every_step_checkpoints(chained)],
+                  ckpt_path=checkpoint_at(tmp_path / "checkpoints", 2))
+    assert fit_recording(make, tmp_path, 2, ckpt_path=checkpoint_at(chained, 3)) == full[3:]

@@ -172,10 +172,35 @@ def test_cursor_at_epoch_end_starts_the_next_epoch() -> None:
     expected = run_epochs(make(), range(2), key=indices)
     done = make()
     run_epochs(done, [0])
+    state = done.state_dict()
+    for declared in (None, 1):
+        resumed = make()
+        resumed.load_state_dict(state)
+        if declared is not None:
+            set_epoch(resumed, declared)
+        assert [indices(b) for b in resumed] == expected[1]
+
+
+def test_cursor_at_epoch_end_stays_exhausted_while_the_trainer_resumes_its_epoch() -> None:
+    """A trainer that declares the finished epoch after the restore is still in it (a
+    ``CombinedLoader(mode="max_size")`` draining longer members): nothing more comes until it
+    moves on. Declared before the restore (a new validation pass), the next epoch starts."""
+    def make() -> ResumableLoader:
+        return ResumableLoader(IndexDataset(20), batch_size=5, shuffle=True, seed=4)
+
+    expected = run_epochs(make(), range(2), key=indices)
+    done = make()
+    run_epochs(done, [0])
     resumed = make()
     resumed.load_state_dict(done.state_dict())
     set_epoch(resumed, 0)
+    assert list(resumed) == []
+    set_epoch(resumed, 1)
     assert [indices(b) for b in resumed] == expected[1]
+    new_pass = make()
+    set_epoch(new_pass, 0)
+    new_pass.load_state_dict(done.state_dict())
+    assert [indices(b) for b in new_pass] == expected[1]
 
 
 def test_state_is_tiny_and_independent_of_size_and_workers() -> None:
