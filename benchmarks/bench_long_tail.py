@@ -10,6 +10,7 @@ the same workers, batch size and prefetch factor; each value is one whole epoch.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -80,7 +81,7 @@ def run(settings: Settings, n: int | None = None, slow_ms: int | None = None) ->
     try:
         for loader in loaders.values():  # start the workers outside the measurements
             _epoch_rate(loader, n)
-        rates = interleaved({kind: (lambda lo=loader: _epoch_rate(lo, n))
+        rates = interleaved({kind: functools.partial(_epoch_rate, loader, n)
                              for kind, loader in loaders.items()},
                             settings.repeats, "long tail", settings)
     finally:

@@ -11,6 +11,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -134,3 +135,47 @@ def test_in_order_false_without_workers_is_the_plan(tmp_path: Path) -> None:
     loader = ResumableLoader(data, batch_size=BATCH, in_order=False, seed=5)
     assert [tuple(b.tolist()) for b in loader] == _plan(10)
     assert "in_order=False" in repr(loader)
+
+
+def test_a_trainer_resumed_from_any_checkpoint_trains_on_each_batch_once(tmp_path: Path
+                                                                         ) -> None:
+    from tests.lightning_harness import checkpoint_at, every_step_checkpoints, fit_recording
+
+    gate = tmp_path / "gate"
+
+    def make() -> ResumableLoader:
+        gated = Gated(24, str(gate), frozenset({0, 10}))
+        return ResumableLoader(gated, batch_size=BATCH, num_workers=2, in_order=False, seed=5,
+                               shuffle=True)
+
+    directory = tmp_path / "checkpoints"
+    gate_opener = _OpenGate(gate, after=2)
+    full = fit_recording(make, tmp_path, 2, [every_step_checkpoints(directory), gate_opener])
+    plans = [Counter(_plan_shuffled(24, epoch)) for epoch in range(2)]
+    for epoch in range(2):
+        assert Counter(tuple(k) for e, _, k in full if e == epoch) == plans[epoch]
+    assert [tuple(k) for e, _, k in full if e == 0] != _plan_shuffled(24, 0)  # out of order
+    for step in range(1, len(full) + 1, 3):
+        resumed = fit_recording(make, tmp_path, 2, ckpt_path=checkpoint_at(directory, step))
+        epochs = [e for e, _, _ in full[:step]]
+        for epoch in range(2):
+            before = Counter(tuple(k) for e, _, k in full[:step] if e == epoch)
+            after = Counter(tuple(k) for e, _, k in resumed if e == epoch)
+            assert before + after == plans[epoch], (step, epoch, epochs)
+
+
+def _plan_shuffled(n: int, epoch: int) -> list[tuple[int, ...]]:
+    loader = ResumableLoader(range(n), batch_size=BATCH, seed=5, shuffle=True)
+    loader.set_epoch(epoch)
+    return [tuple(b.tolist()) for b in loader]
+
+
+class _OpenGate(L.Callback):
+    """A callback that opens the gate after ``after`` training steps."""
+
+    def __init__(self, gate: Path, after: int) -> None:
+        self.gate, self.after = gate, after
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step >= self.after:
+            self.gate.touch()
