@@ -179,3 +179,35 @@ class _OpenGate(L.Callback):
     def on_train_batch_end(self, trainer, *args) -> None:
         if trainer.global_step >= self.after:
             self.gate.touch()
+
+
+def _windows(value) -> list:
+    """Every out-of-order window part found in a (checkpoint) structure."""
+    if isinstance(value, dict):
+        found = [value["window"]] if "window" in value and "ranks" in value["window"] else []
+        return found + [w for v in value.values() for w in _windows(v)]
+    if isinstance(value, list | tuple):
+        return [w for v in value for w in _windows(v)]
+    return []
+
+
+def test_ddp_checkpoints_hold_every_ranks_window_and_resume_each_rank(tmp_path: Path) -> None:
+    from tests.ddp_harness import REPO, run_ddp
+    from tests.lightning_harness import checkpoint_at
+
+    script = REPO / "tests" / "scripts" / "loader_ddp_fit.py"
+    common = ["--workers", "2", "--out-of-order", "--samples", "24"]
+    ckpt = tmp_path / "ckpt"
+    full = run_ddp(script, [*common, "--ckpt-dir", str(ckpt)], tmp_path / "full")
+    step = 3
+    saved = torch.load(checkpoint_at(ckpt, step), weights_only=False)
+    windows = _windows(saved)
+    assert windows and all(len(w["ranks"]) == 2 and None not in w["ranks"] for w in windows)
+    resumed = run_ddp(script, [*common, "--resume", str(checkpoint_at(ckpt, step))],
+                      tmp_path / "resumed")
+    for before, after in zip(full, resumed, strict=True):
+        for epoch in range(2):
+            whole = Counter(tuple(b) for e, _, b in before["seen"] if e == epoch)
+            done = Counter(tuple(b) for e, _, b in before["seen"][:step] if e == epoch)
+            rest = Counter(tuple(b) for e, _, b in after["seen"] if e == epoch)
+            assert done + rest == whole, (before["rank"], epoch)
