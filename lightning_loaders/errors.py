@@ -9,8 +9,10 @@ their attributes. Wrong arguments raise ``ValueError``/``TypeError`` at construc
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
+from typing import Any
 
 from torch.utils.data import get_worker_info
 
@@ -23,6 +25,7 @@ __all__ = [
     "WorkerTimeoutError",
     "describe_exit",
     "fetch_error",
+    "fetch_error_type",
     "signal_name",
 ]
 
@@ -134,10 +137,80 @@ def fetch_error(exc: BaseException, what: str, *, epoch: int, batch: int, rank: 
     pid = os.getpid()
     if where is None:
         where = f"worker {worker} (pid {pid})" if info is not None else "the main process"
-    return SampleFetchError(
-        f"{type(exc).__name__} in {what} of epoch {epoch}, in {where} on rank {rank}: {exc}",
-        index=index, position=position, epoch=epoch, batch=batch, rank=rank, worker=worker,
-        pid=pid, cause_type=type(exc).__name__)
+    message = f"{type(exc).__name__} in {what} of epoch {epoch}, in {where} on rank {rank}: {exc}"
+    fields: dict[str, Any] = {"index": index, "position": position, "epoch": epoch,
+                              "batch": batch, "rank": rank, "worker": worker, "pid": pid,
+                              "cause_type": type(exc).__name__}
+    kind = fetch_error_type(type(exc))
+    if kind is not SampleFetchError:
+        try:
+            return kind(message, **fields)
+        except Exception:  # the original type's constructor refuses one message
+            pass
+    return SampleFetchError(message, **fields)
+
+
+_FETCH_ERROR_TYPES: dict[type[BaseException], type[SampleFetchError]] = {}
+_PREFIX = "SampleFetchError["
+
+
+def fetch_error_type(original: type[BaseException]) -> type[SampleFetchError]:
+    """The class of the error raised for user code that raised ``original``: a subclass of
+    both ``SampleFetchError`` and ``original`` (made once per type), so that ``except
+    KeyError:`` around the loop still catches a ``KeyError`` from ``__getitem__``, as with
+    ``DataLoader``. ``SampleFetchError`` itself when ``original`` cannot be combined with it:
+    a ``BaseException`` that is no ``Exception``, ``StopIteration`` (which would end the loop
+    instead of failing it), a type that cannot be imported by name (defined in a function:
+    another process could not rebuild the error), an incompatible layout.
+
+    The class is named ``SampleFetchError[module:qualname]`` (dots as ``/``) and found under
+    that name in this module, so it pickles by reference into any process.
+    """
+    if (issubclass(original, SampleFetchError | StopIteration | StopAsyncIteration)
+            or not issubclass(original, Exception)):
+        return SampleFetchError
+    found = _FETCH_ERROR_TYPES.get(original)
+    if found is not None:
+        return found
+    name = f"{_PREFIX}{original.__module__}:{original.__qualname__}]".replace(".", "/")
+    kind: type[SampleFetchError] = SampleFetchError
+    if _importable(original):
+        try:
+            kind = type(name, (SampleFetchError, original),
+                        {"__module__": __name__, "__qualname__": name,
+                         "__str__": BaseException.__str__,
+                         "__reduce__": BaseException.__reduce__,
+                         "__setstate__": BaseException.__setstate__})
+        except TypeError:
+            pass
+    _FETCH_ERROR_TYPES[original] = kind
+    return kind
+
+
+def __getattr__(name: str) -> type[SampleFetchError]:
+    """Find a combined error class by its name (unpickling in another process)."""
+    if name.startswith(_PREFIX) and name.endswith("]"):
+        module, _, qualname = name[len(_PREFIX):-1].replace("/", ".").partition(":")
+        original = _lookup(module, qualname)
+        if isinstance(original, type) and issubclass(original, BaseException):
+            kind = fetch_error_type(original)
+            if kind is not SampleFetchError:
+                return kind
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _importable(original: type) -> bool:
+    return _lookup(original.__module__, original.__qualname__) is original
+
+
+def _lookup(module: str, qualname: str) -> Any:
+    try:
+        found: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return found
 
 
 def signal_name(exitcode: int | None) -> str | None:

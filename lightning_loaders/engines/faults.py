@@ -56,6 +56,11 @@ class Failed:
             error.worker_traceback = "".join(traceback.format_exception(cause))
             error.args = (f"{error.args[0]}\n\nOriginal traceback in worker {error.worker} (pid "
                           f"{error.pid}):\n{error.worker_traceback}",)
+        if not _picklable(error):  # a combined type whose original pickles badly
+            plain = SampleFetchError(*error.args) if isinstance(error, SampleFetchError) else None
+            if plain is not None:
+                plain.__dict__.update(error.__dict__)
+                error = plain
         self.error = error
         self.cause = cause if _picklable(cause) else None
 

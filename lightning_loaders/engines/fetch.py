@@ -24,10 +24,11 @@ Fetch paths, fastest first (each gives exactly what ``default_collate`` of the s
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable, Iterator
 from itertools import islice
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -46,7 +47,19 @@ from lightning_loaders.errors import SampleFetchError, fetch_error
 from lightning_loaders.schedule.requests import BatchRequest
 from lightning_loaders.sources.tables import TableDataset
 
-__all__ = ["BatchFetcher"]
+__all__ = ["BatchFetcher", "Numbered", "Unbatched"]
+
+Unbatched = Literal["", "sample", "bulk"]
+"""How a fetch with ``batch_size=None`` reads: ``""`` batched (collate a list of samples),
+``"sample"`` one sample per request, ``"bulk"`` the whole request in one ``dataset[list]``."""
+
+
+class Numbered(NamedTuple):
+    """A fetch's result with the number of its planned batch (for out-of-order delivery)."""
+
+    batch: int
+    item: Any
+
 
 _Gather = Callable[[torch.Tensor], Any]
 _GATHER_BLOCK_BYTES = 1 << 20  # in-memory batches gathered together, in bytes of output
@@ -60,15 +73,26 @@ class BatchFetcher(Dataset[Any]):
     """
 
     def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None, seed: int,
-                 on_error: OnError = "raise"):
+                 on_error: OnError = "raise", unbatched: Unbatched = ""):
         self.dataset = dataset
         self.on_error = on_error
         self.init_failure: Failed | None = None  # set in a worker whose worker_init_fn raised
         default = collate_fn is None or collate_fn is default_collate
         self.collate_fn = default_collate if collate_fn is None else collate_fn
         self.seed = seed
-        self._gather = _checked_gather(dataset) if default else None
-        self._getitems = dataset.__getitems__ if _has_own_getitems(dataset) else None
+        self.unbatched: Unbatched = unbatched
+        self.numbered = False
+        batched = not unbatched
+        self._gather = _checked_gather(dataset) if default and batched else None
+        self._getitems = (dataset.__getitems__ if batched and _has_own_getitems(dataset)
+                          else None)
+
+    def numbering(self) -> BatchFetcher:
+        """A copy whose results are ``Numbered`` with their batch (for workers that may
+        answer out of order)."""
+        numbered = copy.copy(self)
+        numbered.numbered = True
+        return numbered
 
     @property
     def in_memory(self) -> bool:
@@ -97,6 +121,11 @@ class BatchFetcher(Dataset[Any]):
             block = list(islice(requests, per_block))
 
     def __getitem__(self, request: BatchRequest) -> Any:
+        if self.numbered:
+            return Numbered(request.batch, self._result(request))
+        return self._result(request)
+
+    def _result(self, request: BatchRequest) -> Any:
         if self.init_failure is not None:
             return self.init_failure
         try:
@@ -113,15 +142,27 @@ class BatchFetcher(Dataset[Any]):
         with seeded_fetch(self.seed, request.epoch, request.batch, request.rank):
             skipped: list[SkippedSample] = []
             getitems = self._getitems
+            if self.unbatched == "bulk":
+                return self._collate(request, self._fetch_bulk(request))
             if getitems is not None:
                 samples = self._fetch_batch(request, getitems, skipped)
             else:
                 samples = self._fetch_samples(request, skipped)
+            if self.unbatched:  # one sample: converted, not collated into a batch
+                samples = samples[0] if samples else samples
             if not skipped:
                 return self._collate(request, samples)
             if not samples:
                 return Skipped(None, tuple(skipped), empty=True)
             return Skipped(self._collate(request, samples), tuple(skipped))
+
+    def _fetch_bulk(self, request: BatchRequest) -> Any:
+        """``dataset[indices]``: the dataset reads the whole planned batch itself (bulk
+        loading with ``batch_size=None`` and a sampler that yields lists of indices)."""
+        try:
+            return self.dataset[request.indices.tolist()]
+        except Exception as exc:
+            raise _fetch_error(request, None, exc, "__getitem__") from exc
 
     def _fetch_batch(self, request: BatchRequest, getitems: Callable[[list[int]], list[Any]],
                      skipped: list[SkippedSample]) -> list[Any]:

@@ -58,11 +58,33 @@ class WorkerPool(DataLoader[Any]):
 
 
 class _WatchedIterator(_MultiProcessingDataLoaderIter):
+    """Watched workers; and a sampler iterator with ``ready()`` (out-of-order delivery)
+    holds requests back until it is ready, so batches never run further ahead of the
+    first undelivered one than the in-flight window."""
+
     def __init__(self, loader: DataLoader[Any]) -> None:
         super().__init__(loader)
         if self._worker_pids_set:
             torch_data_utils.signal_handling._remove_worker_pids(id(self))
             self._worker_pids_set = False
+
+    def _try_put_index(self) -> None:
+        ready = getattr(self._sampler_iter, "ready", None)
+        if ready is None:
+            super()._try_put_index()
+        elif self._tasks_outstanding < self._prefetch_factor * self._num_workers and ready():
+            super()._try_put_index()
+
+    def _next_data(self) -> Any:
+        """Send what was held back and is ready now, then torch's ``_next_data``."""
+        ready = getattr(self._sampler_iter, "ready", None)
+        limit = self._prefetch_factor * self._num_workers
+        while ready is not None and self._tasks_outstanding < limit and ready():
+            sent = self._send_idx
+            super()._try_put_index()
+            if self._send_idx == sent:
+                break
+        return super()._next_data()
 
     def _try_get_data(self, timeout: float = torch_data_utils.MP_STATUS_CHECK_INTERVAL
                       ) -> tuple[bool, Any]:

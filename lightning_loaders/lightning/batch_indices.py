@@ -40,7 +40,8 @@ def expose_batch_indices(loader: MapStyleLoader) -> MapStyleLoader:
     """Give ``loader`` the ``batch_sampler`` through which Lightning's prediction loop learns
     the dataset indices of each delivered batch (``BasePredictionWriter``'s ``batch_indices``).
     """
-    loader.batch_sampler = _DeliveredIndices(loader.schedule)
+    # Past the guard that refuses, as DataLoader does, user changes to built loaders.
+    object.__setattr__(loader, "batch_sampler", _DeliveredIndices(loader.schedule))
     return loader
 
 

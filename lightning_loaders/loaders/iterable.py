@@ -77,6 +77,7 @@ from __future__ import annotations
 import itertools
 import warnings
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 from torch.utils.data import Sampler
@@ -133,6 +134,10 @@ class ResumableIterableLoader(ResumableLoader):
                              "DataLoader): the plan decides the order; shuffle shards with "
                              "shuffle=True and mix samples with shuffle_buffer")
         self.last_batch: LastBatch = resolve_last_batch(options.last_batch, options.drop_last)
+        if not options.in_order:
+            warnings.warn("in_order=False is not supported for iterable datasets and is ignored: "
+                          "their slots are read in plan order", stacklevel=3)
+            options = replace(options, in_order=True)
         self._take_options(dataset, options, drop_last=self.last_batch == "drop")
         shuffle, shuffle_buffer = options.shuffle, options.shuffle_buffer
         if options.on_error != "raise":

@@ -20,20 +20,40 @@ from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
+from torch.utils.data import (
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    default_convert,
+)
 
+from lightning_loaders.collectives import gather_by_rank
 from lightning_loaders.engines.faults import Failed, Skipped, SkippedSample
-from lightning_loaders.engines.fetch import BatchFetcher
+from lightning_loaders.engines.fetch import BatchFetcher, Numbered, Unbatched
 from lightning_loaders.engines.workers import WorkerLost, WorkerStalled, shutdown
 from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.loaders.delivery import SizedEpochSampler
+from lightning_loaders.loaders.out_of_order import (
+    WINDOW,
+    DeliveredWindow,
+    not_delivered,
+    rank_entry,
+)
+from lightning_loaders.loaders.prefetch import batches_held
 from lightning_loaders.loaders.resumable import LoaderOptions, ResumableLoader
 from lightning_loaders.orders.base import SampleOrder, SequentialOrder, ShuffledOrder
-from lightning_loaders.orders.from_torch import order_from_sampler
+from lightning_loaders.orders.from_torch import (
+    order_from_batch_sampler,
+    order_from_sampler,
+    placement_from_sampler,
+    yields_batches,
+)
 from lightning_loaders.schedule.map_plan import LastBatch
-from lightning_loaders.schedule.map_schedule import MapSchedule, resolve_last_batch
+from lightning_loaders.schedule.map_schedule import MapSchedule, resolve_last_batch, resolve_seed
 from lightning_loaders.schedule.requests import BatchRequest
-from lightning_loaders.state import Stateful
+from lightning_loaders.state import PARTS, Stateful
 
 __all__ = ["MapStyleLoader"]
 
@@ -60,19 +80,27 @@ class MapStyleLoader(ResumableLoader):
                              "with shuffle=True, its ranks always have equal batch counts, and "
                              "it resumes under any layout")
         batch_sampler = options.batch_sampler
+        seed = resolve_seed(options.seed, options.generator)
         if batch_sampler is not None:
             o = options
             if o.batch_size != 1 or o.shuffle or o.sampler is not None or o.drop_last:
                 raise ValueError("batch_sampler is mutually exclusive with batch_size, shuffle, "
                                  "sampler and drop_last (as in DataLoader)")
-            if not isinstance(batch_sampler, BatchSampler):
-                raise TypeError(f"cannot convert a {type(batch_sampler).__name__} batch sampler; "
-                                "pass a torch BatchSampler or a sampler and batch_size")
-            options = replace(options, sampler=batch_sampler.sampler, batch_sampler=None,
-                              batch_size=batch_sampler.batch_size,
-                              drop_last=batch_sampler.drop_last)
+            if not hasattr(batch_sampler, "__iter__"):
+                raise TypeError(f"batch_sampler must be an iterable of lists of indices, got a "
+                                f"{type(batch_sampler).__name__}")
+            order, size, drop_last = order_from_batch_sampler(batch_sampler, len(dataset), seed)
+            options = replace(options, sampler=order, batch_sampler=None, batch_size=size,
+                              drop_last=drop_last)
+        unbatched: Unbatched = ""
+        if options.batch_size is None:
+            unbatched, options = _unbatched(options, len(dataset), seed)
         self.last_batch: LastBatch = resolve_last_batch(options.last_batch, options.drop_last)
+        options = _placed(options)
         self._take_options(dataset, options, drop_last=self.last_batch == "drop")
+        plan_batch_size = self.batch_size
+        if unbatched:
+            self.batch_size = None  # type: ignore[assignment]  # DataLoader's surface
         sampler = options.sampler
         if sampler is not None and options.shuffle:
             raise ValueError("shuffle=True cannot be combined with a sampler: the sampler "
@@ -80,14 +108,18 @@ class MapStyleLoader(ResumableLoader):
         if len(dataset) < 1:
             raise ValueError(f"the dataset ({type(dataset).__name__}) is empty: len() is 0; a "
                              "loader needs at least one sample (check its path or filter)")
+        self._order_source = (sampler, bool(options.shuffle))
         order = self._make_order(sampler, bool(options.shuffle), len(dataset))
-        self.schedule = MapSchedule(order, self.batch_size, self.last_batch, self.seed,
+        self.schedule = MapSchedule(order, plan_batch_size, self.last_batch, self.seed,
                                     options.rank, options.world_size,
                                     merge_short_tail=options.evaluation)
         _check_plan(self.schedule)
         self.sampler = SizedEpochSampler(self.schedule)
         self.batch_sampler: Any = None  # DataLoader's surface: Lightning's evaluation reads it
+        self._unbatched: Unbatched = unbatched
         self._batch_fetcher: BatchFetcher | None = None
+        self._window = DeliveredWindow()
+        self._restored = False
         self._active: Iterator[Any] | None = None  # the iterator delivering now
         self.skipped: list[SkippedSample] = []
         """Samples skipped under ``on_error="skip"`` in this process, in delivery order."""
@@ -99,7 +131,9 @@ class MapStyleLoader(ResumableLoader):
     def _describe(self) -> list[str]:
         schedule = self.schedule
         return [f"dataset={type(self.dataset).__name__}(len={schedule.dataset_len})",
-                f"batch_size={self.batch_size}", f"order={schedule.order.fingerprint}",
+                f"batch_size={self.batch_size}",
+                *([] if self.in_order else ["in_order=False"]),
+                f"order={schedule.order.fingerprint}",
                 f"last_batch={self.last_batch!r}", f"num_workers={self.num_workers}"]
 
     @property
@@ -124,8 +158,48 @@ class MapStyleLoader(ResumableLoader):
         the state its main-process object had when the state was saved (rank 0's, under DDP);
         running workers are shut down so that the next ones start from it. What a dataset
         changes inside worker processes is never seen by the main process, so never saved.
+
+        An ``in_order=False`` state resumes each rank at its own frontier, skipping the
+        batches it had delivered past it.
         """
-        super().load_state_dict(state_dict)
+        parts = state_dict.get(PARTS) if isinstance(state_dict, Mapping) else None
+        if not isinstance(parts, Mapping) or WINDOW not in parts:
+            super().load_state_dict(state_dict)
+            return
+        entry = self._window_entry(state_dict, parts[WINDOW])
+        super().load_state_dict({**state_dict, "batches": entry[0]})
+        self._window.restore(int(state_dict["epoch"]), entry)
+
+    def _window_entry(self, state: Mapping[str, Any], part: Any) -> list[Any]:
+        """This rank's ``[frontier, ahead]`` of a saved out-of-order window, checked."""
+        rank, world_size = self.schedule.placement
+        try:
+            saved_world = int(state["world_size"])
+            offset = int(state.get("offset_batches", 0))
+            end = offset + self.schedule.plan_for(int(state["epoch"]), saved_world, int(
+                state.get("offset_position", 0))).num_batches
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StateMismatchError(f"corrupted loader state: {exc}") from exc
+        return rank_entry(part, rank, world_size, int(state["batches"]), end)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor (see ``DeliveryCore.state_dict``); with ``in_order=False``, also every
+        rank's batches delivered past its frontier (``out_of_order``)."""
+        if self.in_order:
+            return super().state_dict()
+        held = batches_held(self._prefetcher)
+        schedule = self.schedule
+        state = schedule.state_dict()
+        rank, world_size = schedule.placement
+        if self._restored or schedule.epoch is None:  # not started, or a state pending
+            entry = self._window.pending() or [state["batches"], []]
+        else:
+            entry = self._window.saved(schedule.batches, held)
+            entry[0] = max(entry[0], state["offset_batches"])
+        state["batches"] = entry[0]
+        ranks = gather_by_rank(entry, rank, world_size)
+        state[PARTS] = {**state[PARTS], **self._parts(held), WINDOW: {"ranks": ranks}}
+        return state
 
     def _parts(self, held: int) -> dict[str, Any]:
         """The skip count (when skipping) and the dataset's own state (when it has one)."""
@@ -144,6 +218,7 @@ class MapStyleLoader(ResumableLoader):
     def _load_parts(self, parts: Mapping[str, Any]) -> None:
         self._num_skipped = _saved_skip_count(parts)
         self._recent_skips.clear()
+        self._restored = True
         if _DATASET in parts and isinstance(self.dataset, Stateful):
             self.dataset.load_state_dict(copy.deepcopy(parts[_DATASET]))
             self.close()
@@ -161,10 +236,38 @@ class MapStyleLoader(ResumableLoader):
     def _position(self) -> int:
         return self.schedule.batches
 
+    def __len__(self) -> int:
+        """Batches per epoch on this rank; ``len(dataset)`` is read again between epochs."""
+        self._refresh_length()
+        return super().__len__()
+
     def _open_epoch(self) -> Iterator[Any]:
-        self.schedule.begin_epoch()
+        self._refresh_length()
+        schedule = self.schedule
+        schedule.begin_epoch()
+        self._restored = False
+        self._window.resumed(schedule.epoch, schedule.batches)
         self._epoch_restarts = 0
         return self._deliver()
+
+    def _refresh_length(self) -> None:
+        """Between epochs, follow a dataset whose ``len()`` changed (as ``DataLoader``, which
+        reads it at every epoch): the order is rebuilt over the new length and the workers,
+        whose copies of the dataset are stale, restart. An order given as a sampler that does
+        not derive from the dataset's length is kept."""
+        schedule = self.schedule
+        between = schedule.epoch is None or schedule.remaining <= len(self._window.ahead)
+        sampler, shuffle = self._order_source
+        follows = sampler is None or type(sampler) in (SequentialSampler, RandomSampler)
+        if self._restored or not between or not follows:
+            return
+        length = len(self.dataset)
+        if length == schedule.dataset_len or length < 1:
+            return
+        order = self._make_order(sampler, shuffle, length)
+        schedule.order, schedule.dataset_len = order, len(order)
+        self.close()
+        self._batch_fetcher = None
 
     def _reopen(self) -> Iterator[Any]:
         return self._deliver()
@@ -173,13 +276,17 @@ class MapStyleLoader(ResumableLoader):
         """The rest of the current epoch from the cursor, each batch counted as it is handed
         over. The engine is reopened at the cursor after a worker crash, and when the order
         changed mid-epoch (a re-weighted sampler), which re-plans the prefetched batches."""
-        schedule = self.schedule
-        while schedule.remaining > 0:
+        schedule, window = self.schedule, self._window
+        while schedule.remaining > len(window.ahead):
             version = schedule.order_version
             try:
                 for item in self._open():
+                    if type(item) is Numbered:
+                        number, item = item
+                    else:  # in plan order
+                        number = window.due(schedule.batches)
                     batch = self._receive(item)
-                    schedule.delivered()
+                    window.count(schedule, number)
                     if batch is not _NOTHING:
                         yield batch
                     if schedule.order_version != version:
@@ -196,7 +303,7 @@ class MapStyleLoader(ResumableLoader):
         worker processes could only add cost, else by torch's workers (started on first use)."""
         fetcher = self._fetcher()
         if self._fetches_in_process(fetcher):
-            requests = self.schedule.requests()
+            requests = not_delivered(self.schedule.requests(), frozenset(self._window.ahead))
             self._active = (fetcher.gathered(requests) if fetcher.in_memory
                             else map(fetcher.__getitem__, requests))
         else:
@@ -222,7 +329,7 @@ class MapStyleLoader(ResumableLoader):
         """The batch fetcher (made once: it probes the dataset for the fastest fetch path)."""
         if self._batch_fetcher is None:
             self._batch_fetcher = BatchFetcher(self.dataset, self.collate_fn, self.seed,
-                                               self.on_error)
+                                               self.on_error, self._unbatched)
         return self._batch_fetcher
 
     def _receive(self, item: Any) -> Any:
@@ -248,7 +355,9 @@ class MapStyleLoader(ResumableLoader):
 
     def _workers(self) -> DataLoader[Any]:
         """torch's DataLoader over our batch requests (created once, workers persistent)."""
-        return self._worker_pool(self._fetcher(), _RequestSampler(self.schedule),
+        fetcher = self._fetcher() if self.in_order else self._fetcher().numbering()
+        limit = 0 if self.in_order else self.num_workers * (self.prefetch_factor or 2)
+        return self._worker_pool(fetcher, _RequestSampler(self.schedule, self._window, limit),
                                  self.prefetch_factor)
 
     # -- configuration ----------------------------------------------------------------------
@@ -262,16 +371,77 @@ class MapStyleLoader(ResumableLoader):
 
 
 class _RequestSampler(Sampler[BatchRequest]):
-    """The internal DataLoader's sampler: re-reads the cursor at every ``iter()``."""
+    """The internal DataLoader's sampler: re-reads the cursor at every ``iter()`` (and skips
+    the batches already delivered out of order)."""
 
-    def __init__(self, schedule: MapSchedule) -> None:
+    def __init__(self, schedule: MapSchedule, window: DeliveredWindow, limit: int) -> None:
         self._schedule = schedule
+        self._window = window
+        self._limit = limit
 
     def __iter__(self) -> Iterator[BatchRequest]:
-        return self._schedule.requests()
+        requests = not_delivered(self._schedule.requests(), frozenset(self._window.ahead))
+        return _WindowedRequests(requests, self._schedule, self._limit) if self._limit else requests
 
     def __len__(self) -> int:
-        return self._schedule.remaining
+        return self._schedule.remaining - len(self._window.ahead)
+
+
+class _WindowedRequests:
+    """Requests that are ``ready()`` (the workers' iterator asks) only while the next one is
+    less than ``limit`` batches past the first undelivered batch: with out-of-order delivery,
+    a fast worker cannot run away from a slow one, so the batches delivered past the cursor
+    stay fewer than ``limit``."""
+
+    def __init__(self, requests: Iterator[BatchRequest], schedule: MapSchedule,
+                 limit: int) -> None:
+        self._requests = requests
+        self._schedule = schedule
+        self._limit = limit
+        self._next: BatchRequest | None = None
+
+    def __iter__(self) -> _WindowedRequests:
+        return self
+
+    def __next__(self) -> BatchRequest:
+        request, self._next = self._next, None
+        return next(self._requests) if request is None else request
+
+    def ready(self) -> bool:
+        if self._next is None:
+            self._next = next(self._requests, None)
+            if self._next is None:
+                return True
+        return self._next.batch < self._schedule.batches + self._limit
+
+
+def _unbatched(options: LoaderOptions, dataset_len: int, seed: int
+               ) -> tuple[Unbatched, LoaderOptions]:
+    """``batch_size=None`` (``DataLoader``'s unbatched loading): one sample per index of the
+    sampler, or ``dataset[list]`` per list of a sampler that yields lists (bulk loading),
+    converted by ``collate_fn`` (``default_convert`` by default), never collated."""
+    if options.drop_last:
+        raise ValueError("batch_size=None option disables auto-batching and is mutually "
+                         "exclusive with drop_last (as in DataLoader)")
+    collate_fn = default_convert if options.collate_fn is None else options.collate_fn
+    sampler = options.sampler
+    if sampler is not None and yields_batches(sampler):
+        order, size, _ = order_from_batch_sampler(sampler, dataset_len, seed)
+        return "bulk", replace(options, sampler=order, batch_size=size, collate_fn=collate_fn)
+    return "sample", replace(options, batch_size=1, collate_fn=collate_fn)
+
+
+def _placed(options: LoaderOptions) -> LoaderOptions:
+    """An explicit ``DistributedSampler``'s ``rank``/``num_replicas`` as the placement."""
+    placement = placement_from_sampler(options.sampler)
+    if placement is None:
+        return options
+    rank, world_size = placement
+    if (options.rank not in (None, rank)) or (options.world_size not in (None, world_size)):
+        raise ValueError(f"the DistributedSampler says rank={rank}, num_replicas={world_size} "
+                         f"but the loader was given rank={options.rank}, "
+                         f"world_size={options.world_size}: give one of them")
+    return replace(options, rank=rank, world_size=world_size)
 
 
 def _check_plan(schedule: MapSchedule) -> None:

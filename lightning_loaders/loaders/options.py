@@ -52,16 +52,23 @@ class LoaderOptions:
     shuffle_buffer: int
     sync_interval: int
     partitions: int | None = None
+    snapshot_every_n_steps: int | None = None
 
 
 def check_loader_arguments(*, batch_size: Any, num_workers: Any, timeout: Any,
                            prefetch_factor: Any, persistent_workers: Any, collate_fn: Any,
                            worker_init_fn: Any, multiprocessing_context: Any, on_error: Any,
-                           max_worker_restarts: Any) -> None:
+                           max_worker_restarts: Any, snapshot_every_n_steps: Any = None
+                           ) -> None:
     """Raise ``ValueError``/``TypeError`` for arguments no loader can run with."""
     if not _is_int(batch_size) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r} (unbatched "
-                         "loading is not supported: use batch_size=1)")
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r} (or None, for "
+                         "unbatched loading of a map-style dataset)")
+    if snapshot_every_n_steps is not None and (not _is_int(snapshot_every_n_steps)
+                                               or snapshot_every_n_steps < 1):
+        raise ValueError(f"snapshot_every_n_steps must be an int >= 1, got "
+                         f"{snapshot_every_n_steps!r} (it is accepted and ignored: the state "
+                         "is exact at every step)")
     if not _is_int(num_workers) or num_workers < 0:
         raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}: use 0 to load "
                          "in the main process, or the number of worker processes to start")

@@ -9,7 +9,8 @@ of a schedule and an engine, built from the same ``LoaderOptions``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from types import GenericAlias
 from typing import Any
 
 import torch
@@ -56,6 +57,15 @@ class ResumableLoader(WorkerLoader):
         shuffle_buffer, sync_interval, partitions: for iterable datasets
             (``ResumableIterableLoader``, which an iterable dataset gets); a map-style dataset
             refuses them.
+        snapshot_every_n_steps: accepted for ``torchdata``'s ``StatefulDataLoader`` code and
+            ignored: the state is exact at every step, and costs nothing to take.
+
+    ``batch_size=None`` loads unbatched, as in ``DataLoader``: each sampled index gives one
+    sample (``collate_fn`` defaults to ``default_convert``); a sampler that yields lists of
+    indices gives ``dataset[list]`` (bulk loading). ``batch_sampler`` may be any iterable of
+    index lists. ``in_order=False`` delivers batches as workers finish them (one slow sample no
+    longer stalls the others) and stays exactly resumable: the state records which batches of
+    the in-flight window were already delivered, and a resume delivers exactly the others.
 
     ``timeout`` raises ``WorkerTimeoutError`` naming the worker whose batch is late. Workers
     stop on ``close()`` (also used as ``with loader:``), when the loader is collected, and when
@@ -63,7 +73,7 @@ class ResumableLoader(WorkerLoader):
     SIGTERM).
 
     Unlike ``DataLoader``, workers are persistent between epochs unless
-    ``persistent_workers=False``, and ``in_order`` is always honoured as ``True``. In-memory
+    ``persistent_workers=False``. In-memory
     data (tensors, numeric arrays, ``TensorDataset`` and the like, with the default collate) is
     gathered a whole batch at a time in the main process whatever ``num_workers`` is, unless a
     ``worker_init_fn`` or ``pin_memory`` asks for workers: no user code runs per sample, and a
@@ -87,7 +97,7 @@ class ResumableLoader(WorkerLoader):
         batch_size: int | None = 1,
         shuffle: bool | None = None,
         sampler: Sampler[Any] | SampleOrder | None = None,
-        batch_sampler: BatchSampler | None = None,
+        batch_sampler: BatchSampler | Iterable[list[int]] | None = None,
         num_workers: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool = False,
@@ -111,6 +121,7 @@ class ResumableLoader(WorkerLoader):
         shuffle_buffer: int = 0,
         sync_interval: int = 8,
         partitions: int | None = None,
+        snapshot_every_n_steps: int | None = None,
     ) -> None:
         self._configure(dataset, LoaderOptions(
             batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
@@ -121,7 +132,13 @@ class ResumableLoader(WorkerLoader):
             pin_memory_device=pin_memory_device, in_order=in_order, seed=seed,
             last_batch=last_batch, rank=rank, world_size=world_size, on_error=on_error,
             max_worker_restarts=max_worker_restarts, evaluation=evaluation,
-            shuffle_buffer=shuffle_buffer, sync_interval=sync_interval, partitions=partitions))
+            shuffle_buffer=shuffle_buffer, sync_interval=sync_interval, partitions=partitions,
+            snapshot_every_n_steps=snapshot_every_n_steps))
+        self._initialized = True
+
+    def __class_getitem__(cls, item: Any) -> GenericAlias:
+        """``ResumableLoader[T]`` in annotations, as ``DataLoader[T]``."""
+        return GenericAlias(cls, item)
 
     def _configure(self, dataset: Any, options: LoaderOptions) -> None:
         """Check ``options`` for this kind of dataset and build the schedule and engine."""

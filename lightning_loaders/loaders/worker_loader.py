@@ -5,14 +5,15 @@ restarted from the cursor after a crash), and the crash and stall errors.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
+from torch.utils.data._utils import worker as torch_worker
 
 from lightning_loaders.context import WorkerInfo, set_worker
 from lightning_loaders.engines.faults import Failed, OnError
@@ -37,6 +38,8 @@ from lightning_loaders.schedule.map_schedule import resolve_seed
 __all__ = ["WorkerLoader"]
 
 _log = logging.getLogger(__name__)
+_FIXED = frozenset(("batch_size", "batch_sampler", "sampler", "drop_last", "dataset",
+                    "persistent_workers"))  # what DataLoader refuses to change once built
 
 
 class WorkerLoader(DeliveryCore):
@@ -47,6 +50,14 @@ class WorkerLoader(DeliveryCore):
     """
 
     schedule: Any
+    _initialized = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Refuse, as ``DataLoader`` does, to change how batches are made once built."""
+        if self._initialized and name in _FIXED:
+            raise ValueError(f"{name} attribute should not be set after "
+                             f"{type(self).__name__} is initialized: build a new loader")
+        super().__setattr__(name, value)
 
     def _take_options(self, dataset: Any, options: LoaderOptions, *, drop_last: bool) -> None:
         """Check and keep ``DataLoader``'s arguments (as its attributes) and the worker
@@ -58,11 +69,9 @@ class WorkerLoader(DeliveryCore):
             prefetch_factor=o.prefetch_factor, persistent_workers=o.persistent_workers,
             collate_fn=o.collate_fn, worker_init_fn=o.worker_init_fn,
             multiprocessing_context=o.multiprocessing_context, on_error=o.on_error,
-            max_worker_restarts=o.max_worker_restarts)
+            max_worker_restarts=o.max_worker_restarts,
+            snapshot_every_n_steps=o.snapshot_every_n_steps)
         assert o.batch_size is not None
-        if not o.in_order:
-            warnings.warn("in_order=False is ignored: exact resume needs batches in plan order",
-                          stacklevel=4)
         if o.num_workers > 0:
             check_picklable(start_method(o.multiprocessing_context), dataset=dataset,
                             collate_fn=o.collate_fn, worker_init_fn=o.worker_init_fn)
@@ -79,6 +88,8 @@ class WorkerLoader(DeliveryCore):
         self.prefetch_factor = o.prefetch_factor
         self.persistent_workers = o.num_workers > 0 and o.persistent_workers is not False
         self.pin_memory_device = o.pin_memory_device
+        self.in_order = o.in_order
+        self.snapshot_every_n_steps = o.snapshot_every_n_steps
         self.seed = resolve_seed(o.seed, o.generator)
         self.on_error: OnError = o.on_error
         self.max_worker_restarts = o.max_worker_restarts
@@ -129,6 +140,7 @@ class WorkerLoader(DeliveryCore):
                                             world_size, self.schedule.epoch or 0, self.seed),
                 multiprocessing_context=self.multiprocessing_context,
                 generator=torch.Generator().manual_seed(mix64(self.seed, rank) >> 1),
+                in_order=self.in_order,
                 **extra,
             )
         return self._torch_loader
@@ -184,10 +196,13 @@ class _WorkerStart:
     def __call__(self, worker_id: int) -> None:
         torch_info = get_worker_info()
         fetcher = torch_info.dataset if torch_info else None
+        dataset = getattr(fetcher, "dataset", None)
         info = WorkerInfo(worker_id, num_workers=self.num_workers, rank=self.rank,
                           world_size=self.world_size, epoch=self.epoch, seed=self.seed,
-                          dataset=getattr(fetcher, "dataset", None))
+                          dataset=dataset)
         set_worker(info)
+        if torch_info is not None and isinstance(fetcher, BatchFetcher):
+            _publish_user_dataset(torch_info, dataset)
         if self.user_fn is None:
             return
         try:
@@ -202,6 +217,20 @@ class _WorkerStart:
                 raise error from exc
             error.__cause__ = exc
             fetcher.init_failure = Failed(error)  # every batch of this worker reports it
+
+
+def _publish_user_dataset(torch_info: Any, dataset: Any) -> None:
+    """Make ``torch.utils.data.get_worker_info().dataset`` the worker's copy of the user's
+    dataset (torch's own ``WorkerInfo``, only the dataset changed), not the fetcher that wraps
+    it: ``worker_init_fn`` and ``__getitem__`` then configure and read the object that serves
+    the samples, as with ``DataLoader``. Relies on torch's worker module global."""
+    published: Any
+    if dataclasses.is_dataclass(torch_info) and not isinstance(torch_info, type):
+        published = dataclasses.replace(torch_info, dataset=dataset)
+    else:
+        published = type(torch_info)(id=torch_info.id, num_workers=torch_info.num_workers,
+                                     seed=torch_info.seed, dataset=dataset)
+    torch_worker._worker_info = published
 
 
 def _passthrough(batch: Any) -> Any:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+import torch
 from torch.utils.data import (
     BatchSampler,
     DistributedSampler,
@@ -28,7 +30,15 @@ from lightning_loaders.orders.random import (
     WeightedOrder,
 )
 
-__all__ = ["order_from_batch_sampler", "order_from_sampler"]
+__all__ = [
+    "order_from_batch_sampler",
+    "order_from_sampler",
+    "placement_from_sampler",
+    "yields_batches",
+]
+
+_INDEX_SAMPLERS = (SequentialSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler,
+                   DistributedSampler)
 
 
 def order_from_sampler(sampler: Any, dataset_len: int, seed: int) -> SampleOrder:
@@ -77,3 +87,26 @@ def order_from_batch_sampler(batch_sampler: Any, dataset_len: int,
         return order, batch_sampler.batch_size, batch_sampler.drop_last
     drawn = DrawnBatchOrder(batch_sampler, seed)
     return drawn, drawn.batch_size, False
+
+
+def placement_from_sampler(sampler: Any) -> tuple[int, int] | None:
+    """``(rank, world_size)`` of a ``DistributedSampler`` (what it was built with, or read from
+    the process group), else ``None``: a sampler built for rank ``r`` of ``n`` places the loader
+    there, as ``DataLoader`` would read only that rank's share."""
+    if isinstance(sampler, DistributedSampler):
+        return int(sampler.rank), int(sampler.num_replicas)
+    return None
+
+
+def yields_batches(sampler: Any) -> bool:
+    """Whether ``sampler`` yields lists of indices (bulk loading with ``batch_size=None``)
+    rather than indices: torch's ``BatchSampler`` does; torch's index samplers and orders do
+    not; any other sampler is asked for its first item."""
+    if isinstance(sampler, BatchSampler):
+        return True
+    if isinstance(sampler, SampleOrder) or type(sampler) in _INDEX_SAMPLERS:
+        return False
+    first = next(iter(sampler), None)
+    if isinstance(first, list | tuple):
+        return True
+    return isinstance(first, np.ndarray | torch.Tensor) and first.ndim == 1

@@ -34,10 +34,11 @@ def _identity(batch: Any) -> Any:
 
 BAD_SETTINGS = [
     # (dataset, kwargs, exception, what the message must say: the problem and the fix)
-    (10, {"batch_size": 0}, ValueError, r"batch_size must be an int >= 1, got 0.*batch_size=1"),
+    (10, {"batch_size": 0}, ValueError, r"batch_size must be an int >= 1, got 0.*or None"),
     (10, {"batch_size": 2.5}, ValueError, r"batch_size must be an int >= 1, got 2\.5"),
     (10, {"batch_size": True}, ValueError, r"batch_size must be an int >= 1, got True"),
-    (10, {"batch_size": None}, ValueError, r"unbatched loading is not supported"),
+    (10, {"batch_size": None, "drop_last": True}, ValueError,
+     r"batch_size=None option disables auto-batching and is mutually exclusive with drop_last"),
     (10, {"num_workers": -1}, ValueError, r"num_workers must be an int >= 0, got -1: use 0"),
     (10, {"shuffle": True, "sampler": SequentialSampler(range(10))}, ValueError,
      r"shuffle=True cannot be combined with a sampler.*drop shuffle"),
@@ -129,8 +130,8 @@ def test_what_is_only_risky_elsewhere_is_accepted() -> None:
     ResumableLoader(IndexDataset(8), batch_size=4, num_workers=1, collate_fn=_identity,
                     multiprocessing_context="spawn")
     assert start_method(None) in ("fork", "spawn", "forkserver")
-    with pytest.warns(UserWarning, match="in_order=False is ignored"):
-        ResumableLoader(IndexDataset(8), in_order=False)
+    with pytest.warns(UserWarning, match="in_order=False is not supported for iterable"):
+        ResumableLoader(SequenceSource([[1, 2], [3]]), in_order=False)
 
 
 # -- saved states --------------------------------------------------------------------------

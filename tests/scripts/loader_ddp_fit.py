@@ -22,12 +22,14 @@ parser.add_argument("--workers", type=int, default=0)
 parser.add_argument("--last-batch", default="keep")
 parser.add_argument("--ckpt-dir", type=Path)
 parser.add_argument("--resume", type=Path)
+parser.add_argument("--out-of-order", action="store_true", help="in_order=False")
 args = parser.parse_args()
 
 
 def make_loader() -> ResumableLoader:
     return ResumableLoader(IndexDataset(args.samples), batch_size=args.batch_size, shuffle=True,
-                           seed=3, num_workers=args.workers, last_batch=args.last_batch)
+                           seed=3, num_workers=args.workers, last_batch=args.last_batch,
+                           in_order=not args.out_of_order)
 
 
 callbacks = [every_step_checkpoints(args.ckpt_dir)] if args.ckpt_dir else []

@@ -1,0 +1,229 @@
+"""DataLoader's contract, row by row, each checked against a real ``torch.utils.data.DataLoader``
+where the two can be compared: unbatched and bulk loading, any batch sampler, the original
+exception type, an explicit ``DistributedSampler``, a growing dataset, the worker's dataset,
+fixed attributes, ``ResumableLoader[T]`` and ``snapshot_every_n_steps``."""
+
+import dataclasses
+import pickle
+
+import pytest
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    get_worker_info,
+)
+
+from lightning_loaders import ResumableLoader, SampleFetchError
+from lightning_loaders.testing import check_resume_at_every_step, to_plain
+from tests.conftest import IndexDataset
+
+
+class _Bulk(torch.utils.data.Dataset[int]):
+    """``dataset[i]`` is ``i``; ``dataset[[i, j, ...]]`` is a tensor of them (bulk reads)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int | list[int]) -> int | torch.Tensor:
+        if isinstance(index, list):
+            return torch.tensor(index) * 10
+        return index
+
+
+def _plain(loader) -> list:
+    return [to_plain(batch) for batch in loader]
+
+
+def test_batch_size_none_loads_single_samples_like_dataloader() -> None:
+    data = IndexDataset(7)
+    ours = ResumableLoader(data, batch_size=None)
+    assert ours.batch_size is None and len(ours) == 7
+    assert _plain(ours) == _plain(DataLoader(data, batch_size=None))
+    with pytest.raises(ValueError, match="drop_last"):
+        ResumableLoader(data, batch_size=None, drop_last=True)
+
+
+def test_batch_size_none_with_a_batch_yielding_sampler_is_bulk_loading() -> None:
+    data = _Bulk(10)
+    sampler = BatchSampler(SequentialSampler(data), 3, drop_last=False)
+    ours = ResumableLoader(data, batch_size=None, sampler=sampler)
+    assert _plain(ours) == _plain(DataLoader(data, batch_size=None, sampler=sampler))
+    assert len(ours) == 4
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_unbatched_and_bulk_loading_resume_exactly(num_workers: int) -> None:
+    check_resume_at_every_step(
+        lambda: ResumableLoader(_Bulk(9), batch_size=None, shuffle=True, seed=3,
+                                num_workers=num_workers), epochs=2)
+    check_resume_at_every_step(
+        lambda: ResumableLoader(_Bulk(10), batch_size=None, seed=3, num_workers=num_workers,
+                                sampler=BatchSampler(RandomSampler(range(10)), 4, False)),
+        epochs=2)
+
+
+class _Batches:
+    """A batch sampler that is no torch ``BatchSampler``: a generator-backed iterable."""
+
+    def __init__(self, n: int, size: int) -> None:
+        self.n, self.size = n, size
+
+    def __iter__(self):
+        for start in range(0, self.n, self.size):
+            yield list(range(start, min(start + self.size, self.n)))
+
+    def __len__(self) -> int:
+        return -(-self.n // self.size)
+
+
+@pytest.mark.parametrize("batch_sampler", [[[0, 1, 2], [3, 4, 5], [6]], _Batches(7, 3)],
+                         ids=["list", "generator"])
+def test_any_iterable_of_index_lists_is_a_batch_sampler(batch_sampler) -> None:
+    data = IndexDataset(7)
+    ours = ResumableLoader(data, batch_sampler=batch_sampler)
+    assert _plain(ours) == _plain(DataLoader(data, batch_sampler=batch_sampler))
+    check_resume_at_every_step(lambda: ResumableLoader(data, batch_sampler=batch_sampler), 2)
+
+
+class _Raises(torch.utils.data.Dataset[int]):
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        if index == 2:
+            raise self.error
+        return index
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+@pytest.mark.parametrize("error", [NotImplementedError("not yet"), KeyError("missing"),
+                                   FileNotFoundError(2, "gone"), ValueError("bad")],
+                         ids=lambda e: type(e).__name__)
+def test_the_original_exception_type_is_caught_like_with_dataloader(error, num_workers) -> None:
+    for make in (DataLoader, ResumableLoader):  # the same except clause works for both
+        with pytest.raises(type(error)):
+            list(make(_Raises(error), num_workers=num_workers))
+    with pytest.raises(SampleFetchError) as caught:
+        list(ResumableLoader(_Raises(error), num_workers=num_workers))
+    raised = caught.value
+    assert isinstance(raised, type(error)) and raised.index == 2 and raised.epoch == 0
+    assert raised.worker == (0 if num_workers else None) and raised.rank == 0
+    assert "sample index 2" in str(raised) and type(error).__name__ in str(raised)
+    again = pickle.loads(pickle.dumps(raised))
+    assert type(again) is type(raised) and again.index == 2 and str(again) == str(raised)
+
+
+def test_types_that_cannot_be_combined_stay_sample_fetch_errors() -> None:
+    class Stop(StopIteration):  # would end the loop instead of failing it
+        pass
+
+    with pytest.raises(SampleFetchError) as caught:
+        list(ResumableLoader(_Raises(Stop())))
+    assert not isinstance(caught.value, StopIteration)
+    assert isinstance(caught.value.__cause__, Stop)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_an_explicit_distributed_sampler_places_the_loader(shuffle: bool) -> None:
+    data = IndexDataset(12)
+    seen = []
+    for rank in range(3):
+        sampler = DistributedSampler(data, num_replicas=3, rank=rank, shuffle=shuffle)
+        loader = ResumableLoader(data, sampler=sampler, batch_size=2)
+        assert repr(loader).count(f"rank={rank}/3") == 1 and len(loader) == 2
+        seen += [i for batch in loader for i in batch["index"].tolist()]
+    assert sorted(seen) == list(range(12))  # DataLoader with the same samplers reads 12 too
+    with pytest.raises(ValueError, match="num_replicas=3"):
+        ResumableLoader(data, sampler=DistributedSampler(data, num_replicas=3, rank=1),
+                        rank=0, world_size=3)
+
+
+class _Growing(torch.utils.data.Dataset[int]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_dataset_that_grows_between_epochs_is_read_whole(num_workers: int) -> None:
+    def epochs(make) -> list[list[int]]:
+        data = _Growing(4)
+        loader = make(data, batch_size=2, num_workers=num_workers)
+        out = []
+        for n in (4, 8, 6):
+            data.n = n
+            out.append(sorted(i for batch in loader for i in batch.tolist()))
+            assert len(loader) == n // 2
+        return out
+
+    assert epochs(ResumableLoader) == epochs(DataLoader) == [
+        list(range(4)), list(range(8)), list(range(6))]
+
+
+class _Configurable(torch.utils.data.Dataset[int]):
+    """torch's documented pattern: ``worker_init_fn`` configures the worker's dataset copy."""
+
+    offset = 0
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        return index + self.offset
+
+
+def _configure_worker(worker_id: int) -> None:
+    info = get_worker_info()
+    info.dataset.offset = 100 * (worker_id + 1)
+    try:
+        info.dataset = None
+    except Exception as exc:  # the same type as torch's own (a frozen WorkerInfo)
+        info.dataset.offset += {"FrozenInstanceError": 1000, "RuntimeError": 2000}.get(
+            type(exc).__name__, 3000)
+
+
+def test_get_worker_info_dataset_is_the_users_dataset_in_worker_init_fn() -> None:
+    def run(make) -> list[int]:
+        loader = make(_Configurable(), batch_size=1, num_workers=2,
+                      worker_init_fn=_configure_worker)
+        return sorted(int(batch) for batch in loader)
+
+    assert run(ResumableLoader) == run(DataLoader)
+    assert all(value >= 100 for value in run(ResumableLoader))
+    assert dataclasses.is_dataclass(torch.utils.data._utils.worker.WorkerInfo)
+
+
+@pytest.mark.parametrize("name", ["batch_size", "sampler", "batch_sampler", "drop_last",
+                                  "dataset", "persistent_workers"])
+def test_fixed_attributes_cannot_be_set_after_construction(name: str) -> None:
+    data = IndexDataset(4)
+    for loader in (DataLoader(data, batch_size=2), ResumableLoader(data, batch_size=2)):
+        with pytest.raises(ValueError, match=f"{name} attribute should not be set"):
+            setattr(loader, name, 8)
+    loader = ResumableLoader(data, batch_size=2)
+    loader.num_workers = 0  # DataLoader allows the others
+    assert loader.batch_size == 2
+
+
+def test_generic_alias_and_snapshot_every_n_steps() -> None:
+    alias = ResumableLoader[int]
+    assert alias.__origin__ is ResumableLoader and alias.__args__ == (int,)
+    loader = ResumableLoader(IndexDataset(6), batch_size=2, snapshot_every_n_steps=3)
+    assert loader.snapshot_every_n_steps == 3 and len(_plain(loader)) == 3
+    with pytest.raises(ValueError, match="snapshot_every_n_steps"):
+        ResumableLoader(IndexDataset(6), snapshot_every_n_steps=0)

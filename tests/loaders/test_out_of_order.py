@@ -1,0 +1,213 @@
+"""``in_order=False``: batches are delivered as workers finish them, and a resume from any step
+delivers exactly the planned batches not delivered yet (nothing repeated, nothing lost).
+
+Reordering is forced, not timed: a *gated* sample blocks its worker until the main process has
+received other batches past it (it opens the gate), so the test never depends on wall-clock
+speed. Two workers with ``prefetch_factor=2`` dispatch at most 4 batches past the first
+undelivered one, so the gate opens after 2 batches (those that can pass the blocked one)."""
+
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_loaders import ResumableLoader, StateMismatchError
+from lightning_loaders.testing import checkpoint_roundtrip
+
+BATCH = 2
+
+
+class Gated(torch.utils.data.Dataset[int]):
+    """Sample ``i`` is ``i``; the samples in ``gated`` wait until the file ``gate`` exists."""
+
+    def __init__(self, n: int, gate: str, gated: frozenset[int]) -> None:
+        self.n, self.gate, self.gated = n, gate, gated
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        if index in self.gated:
+            waited = 0
+            while not os.path.exists(self.gate) and waited < 6000:  # a bug must not hang
+                time.sleep(0.005)
+                waited += 1
+        return index
+
+
+def _make(gate: Path, n: int = 24, rank: int | None = None, world: int | None = None,
+          **kwargs) -> ResumableLoader:
+    data = Gated(n, str(gate), frozenset({0, 10}))
+    return ResumableLoader(data, batch_size=BATCH, num_workers=2, in_order=False, seed=5,
+                           rank=rank, world_size=world, **kwargs)
+
+
+def _run(loader: ResumableLoader, gate: Path, states: list | None = None,
+         open_after: int = 2) -> list[tuple[int, ...]]:
+    got: list[tuple[int, ...]] = []
+    for batch in loader:
+        got.append(tuple(batch.tolist()))
+        if len(got) == open_after:
+            gate.touch()
+        if states is not None:
+            states.append(checkpoint_roundtrip(loader.state_dict()))
+    return got
+
+
+def _plan(n: int, rank: int = 0, world: int = 1) -> list[tuple[int, ...]]:
+    return [tuple(b.tolist()) for b in ResumableLoader(range(n), batch_size=BATCH, seed=5,
+                                                       rank=rank, world_size=world)]
+
+
+def test_batches_arrive_out_of_order_and_each_once(tmp_path: Path) -> None:
+    loader = _make(tmp_path / "gate")
+    got = _run(loader, tmp_path / "gate")
+    plan = _plan(24)
+    assert sorted(got) == sorted(plan) and len(got) == len(plan) == len(loader)
+    assert got != plan and got[0] != plan[0]  # the gated first batch came later
+    # the next epoch is whole again (the gate is open now: any order)
+    assert Counter(_run(loader, tmp_path / "gate")) == Counter(plan)
+
+
+def test_resume_from_every_step_delivers_exactly_the_rest(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    states: list = []
+    first = _run(_make(gate), gate, states)
+    window = 2 * 2  # num_workers * prefetch_factor
+    for step, state in enumerate(states):
+        frontier, ahead = state["parts"]["window"]["ranks"][0]
+        assert state["batches"] == frontier and len(ahead) < window, state
+        assert all(b > frontier for b in ahead)
+        resumed = _make(gate)
+        resumed.load_state_dict(state)
+        rest = _run(resumed, gate) if step < len(states) - 1 else []
+        assert Counter(first[:step + 1]) + Counter(rest) == Counter(_plan(24)), step
+    assert any(state["parts"]["window"]["ranks"][0][1] for state in states)  # some were ahead
+
+
+def test_a_resumed_loader_can_be_saved_before_it_starts(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    states: list = []
+    _run(_make(gate), gate, states)
+    ahead_states = [s for s in states if s["parts"]["window"]["ranks"][0][1]]
+    resumed = _make(gate)
+    resumed.load_state_dict(ahead_states[0])
+    again = resumed.state_dict()
+    assert again["parts"]["window"] == ahead_states[0]["parts"]["window"]
+    assert again["batches"] == ahead_states[0]["batches"]
+
+
+def test_ranks_placed_by_hand_resume_from_their_own_states(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    for rank in range(2):
+        states: list = []
+        first = _run(_make(gate, rank=rank, world=2), gate, states)
+        state = states[2]
+        assert state["parts"]["window"]["ranks"][1 - rank] is None  # no process group
+        resumed = _make(gate, rank=rank, world=2)
+        resumed.load_state_dict(state)
+        assert Counter(first[:3]) + Counter(_run(resumed, gate)) == Counter(
+            _plan(24, rank, 2))
+        other = _make(gate, rank=1 - rank, world=2)
+        with pytest.raises(StateMismatchError, match=f"no entry for rank {1 - rank}"):
+            other.load_state_dict(state)
+
+
+def test_a_window_with_batches_ahead_refuses_another_world_size(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    states: list = []
+    _run(_make(gate), gate, states)
+    ahead = next(s for s in states if s["parts"]["window"]["ranks"][0][1])
+    with pytest.raises(StateMismatchError, match="cannot resume on 2"):
+        _make(gate, rank=0, world=2).load_state_dict(ahead)
+    corrupted = {**ahead, "parts": {**ahead["parts"], "window": {"ranks": [[0, [99]]]}}}
+    with pytest.raises(StateMismatchError, match="corrupted"):
+        _make(gate).load_state_dict(corrupted)
+
+
+def test_in_order_false_without_workers_is_the_plan(tmp_path: Path) -> None:
+    (tmp_path / "gate").touch()
+    data = Gated(10, str(tmp_path / "gate"), frozenset())
+    loader = ResumableLoader(data, batch_size=BATCH, in_order=False, seed=5)
+    assert [tuple(b.tolist()) for b in loader] == _plan(10)
+    assert "in_order=False" in repr(loader)
+
+
+def test_a_trainer_resumed_from_any_checkpoint_trains_on_each_batch_once(tmp_path: Path
+                                                                         ) -> None:
+    from tests.lightning_harness import checkpoint_at, every_step_checkpoints, fit_recording
+
+    gate = tmp_path / "gate"
+
+    def make() -> ResumableLoader:
+        gated = Gated(24, str(gate), frozenset({0, 10}))
+        return ResumableLoader(gated, batch_size=BATCH, num_workers=2, in_order=False, seed=5,
+                               shuffle=True)
+
+    directory = tmp_path / "checkpoints"
+    gate_opener = _OpenGate(gate, after=2)
+    full = fit_recording(make, tmp_path, 2, [every_step_checkpoints(directory), gate_opener])
+    plans = [Counter(_plan_shuffled(24, epoch)) for epoch in range(2)]
+    for epoch in range(2):
+        assert Counter(tuple(k) for e, _, k in full if e == epoch) == plans[epoch]
+    assert [tuple(k) for e, _, k in full if e == 0] != _plan_shuffled(24, 0)  # out of order
+    for step in range(1, len(full) + 1, 3):
+        resumed = fit_recording(make, tmp_path, 2, ckpt_path=checkpoint_at(directory, step))
+        epochs = [e for e, _, _ in full[:step]]
+        for epoch in range(2):
+            before = Counter(tuple(k) for e, _, k in full[:step] if e == epoch)
+            after = Counter(tuple(k) for e, _, k in resumed if e == epoch)
+            assert before + after == plans[epoch], (step, epoch, epochs)
+
+
+def _plan_shuffled(n: int, epoch: int) -> list[tuple[int, ...]]:
+    loader = ResumableLoader(range(n), batch_size=BATCH, seed=5, shuffle=True)
+    loader.set_epoch(epoch)
+    return [tuple(b.tolist()) for b in loader]
+
+
+class _OpenGate(L.Callback):
+    """A callback that opens the gate after ``after`` training steps."""
+
+    def __init__(self, gate: Path, after: int) -> None:
+        self.gate, self.after = gate, after
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step >= self.after:
+            self.gate.touch()
+
+
+def _windows(value) -> list:
+    """Every out-of-order window part found in a (checkpoint) structure."""
+    if isinstance(value, dict):
+        found = [value["window"]] if "window" in value and "ranks" in value["window"] else []
+        return found + [w for v in value.values() for w in _windows(v)]
+    if isinstance(value, list | tuple):
+        return [w for v in value for w in _windows(v)]
+    return []
+
+
+def test_ddp_checkpoints_hold_every_ranks_window_and_resume_each_rank(tmp_path: Path) -> None:
+    from tests.ddp_harness import REPO, run_ddp
+    from tests.lightning_harness import checkpoint_at
+
+    script = REPO / "tests" / "scripts" / "loader_ddp_fit.py"
+    common = ["--workers", "2", "--out-of-order", "--samples", "24"]
+    ckpt = tmp_path / "ckpt"
+    full = run_ddp(script, [*common, "--ckpt-dir", str(ckpt)], tmp_path / "full")
+    step = 3
+    saved = torch.load(checkpoint_at(ckpt, step), weights_only=False)
+    windows = _windows(saved)
+    assert windows and all(len(w["ranks"]) == 2 and None not in w["ranks"] for w in windows)
+    resumed = run_ddp(script, [*common, "--resume", str(checkpoint_at(ckpt, step))],
+                      tmp_path / "resumed")
+    for before, after in zip(full, resumed, strict=True):
+        for epoch in range(2):
+            whole = Counter(tuple(b) for e, _, b in before["seen"] if e == epoch)
+            done = Counter(tuple(b) for e, _, b in before["seen"][:step] if e == epoch)
+            rest = Counter(tuple(b) for e, _, b in after["seen"] if e == epoch)
+            assert done + rest == whole, (before["rank"], epoch)
