@@ -22,6 +22,19 @@ class IndexDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"index": torch.tensor(index), "x": x}
 
 
+class RangeDataset(torch.utils.data.Dataset[int]):
+    """Sample ``i`` is ``i``; ``n`` may be changed between epochs (a dataset that grows)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
 @pytest.fixture
 def index_dataset() -> IndexDataset:
     return IndexDataset(23)

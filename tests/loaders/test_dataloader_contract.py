@@ -19,7 +19,7 @@ from torch.utils.data import (
 
 from lightning_loaders import ResumableLoader, SampleFetchError
 from lightning_loaders.testing import check_resume_at_every_step, to_plain
-from tests.conftest import IndexDataset
+from tests.conftest import IndexDataset, RangeDataset
 
 
 class _Bulk(torch.utils.data.Dataset[int]):
@@ -148,21 +148,10 @@ def test_an_explicit_distributed_sampler_places_the_loader(shuffle: bool) -> Non
                         rank=0, world_size=3)
 
 
-class _Growing(torch.utils.data.Dataset[int]):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        return index
-
-
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_dataset_that_grows_between_epochs_is_read_whole(num_workers: int) -> None:
     def epochs(make) -> list[list[int]]:
-        data = _Growing(4)
+        data = RangeDataset(4)
         loader = make(data, batch_size=2, num_workers=num_workers)
         out = []
         for n in (4, 8, 6):

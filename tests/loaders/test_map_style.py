@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler, Tenso
 
 from lightning_loaders import ResumableLoader, WorkerInfo, sample_rng, worker_info
 from lightning_loaders.testing import check_resume_at_every_step, run_epochs, set_epoch, to_plain
-from tests.conftest import IndexDataset, loader_processes
+from tests.conftest import IndexDataset, RangeDataset, loader_processes
 
 POLICIES = ["keep", "drop", "pad", "rollover"]
 
@@ -206,7 +206,7 @@ def test_cursor_at_epoch_end_stays_exhausted_while_the_trainer_resumes_its_epoch
 def test_state_is_tiny_and_independent_of_size_and_workers() -> None:
     sizes = set()
     for n, workers in ((10, 0), (10**9, 0), (100, 2)):
-        loader = ResumableLoader(_Range(n), batch_size=4, shuffle=True, num_workers=workers)
+        loader = ResumableLoader(RangeDataset(n), batch_size=4, shuffle=True, num_workers=workers)
         next(iter(loader))
         sizes.add(len(pickle.dumps(loader.state_dict())))
         loader.close()
@@ -214,24 +214,13 @@ def test_state_is_tiny_and_independent_of_size_and_workers() -> None:
     assert max(sizes) - min(sizes) < 16
 
 
-class _Range(torch.utils.data.Dataset[int]):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        return index
-
-
 def test_resume_at_the_end_of_a_billion_sample_epoch_is_a_jump() -> None:
     n, bs = 10**9, 1000
-    loader = ResumableLoader(_Range(n), batch_size=bs, shuffle=True, seed=1)
+    loader = ResumableLoader(RangeDataset(n), batch_size=bs, shuffle=True, seed=1)
     last = len(loader) - 1
     state = {**loader.state_dict(), "batches": last}
     started = time.perf_counter()
-    resumed = ResumableLoader(_Range(n), batch_size=bs, shuffle=True, seed=1)
+    resumed = ResumableLoader(RangeDataset(n), batch_size=bs, shuffle=True, seed=1)
     resumed.load_state_dict(state)
     batch = next(iter(resumed))
     elapsed = time.perf_counter() - started

@@ -14,7 +14,7 @@ import torch
 from lightning_loaders import ResumableLoader, StateMismatchError
 from lightning_loaders.schedule.audit import saved_digest
 from lightning_loaders.testing import check_resume_at_every_step, checkpoint_roundtrip, set_epoch
-from tests.conftest import IndexDataset
+from tests.conftest import IndexDataset, RangeDataset
 
 
 class OwnSeedSampler(torch.utils.data.Sampler[int]):
@@ -133,24 +133,13 @@ def test_the_audit_part_is_a_few_bytes_and_absent_before_the_first_batch() -> No
 def test_an_audited_resume_at_the_end_of_a_billion_sample_epoch_is_a_jump() -> None:
     """Predicting the digest reads one batch of the plan: 10**9 indices would not fit here."""
     n, batch_size = 10**9, 1000
-    loader = ResumableLoader(_Range(n), batch_size=batch_size, shuffle=True, seed=1)
+    loader = ResumableLoader(RangeDataset(n), batch_size=batch_size, shuffle=True, seed=1)
     loader.load_state_dict({**loader.state_dict(), "batches": len(loader) - 2})
     next(iter(loader))
     state = loader.state_dict()
     assert saved_digest(state) is not None
-    resumed = ResumableLoader(_Range(n), batch_size=batch_size, shuffle=True, seed=1)
+    resumed = ResumableLoader(RangeDataset(n), batch_size=batch_size, shuffle=True, seed=1)
     resumed.load_state_dict(state)
     assert len(list(resumed)) == 1
     with pytest.raises(StateMismatchError, match="resume audit failed"):
         resumed.load_state_dict({**state, "batches": len(loader) - 3})
-
-
-class _Range(torch.utils.data.Dataset[int]):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        return index
