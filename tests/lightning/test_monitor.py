@@ -134,7 +134,10 @@ def test_slow_data_is_reported_and_warned_about_once(tmp_path: Path, kind: str) 
     # 8 batches per epoch; only the run's first two have no value yet (no interval before the
     # first batch, the interval before the second is the warm-up)
     assert len(rows) == 2 * 8 - 2
-    assert all(0.5 < value <= 1 for value in rows)
+    # Every window is a fraction; most are dominated by the wait. (One window can dip under
+    # 0.5 when another process takes the core during a training step: this is wall clock.)
+    assert all(0 < value <= 1 for value in rows)
+    assert sorted(rows)[len(rows) // 2] > 0.5
     assert len(logged(trainer, "samples_per_sec")) == len(rows)
 
     messages = stalls(caught)
