@@ -50,6 +50,7 @@ from lightning_loaders.orders.from_torch import (
     placement_from_sampler,
     yields_batches,
 )
+from lightning_loaders.schedule.audit import AUDIT
 from lightning_loaders.schedule.map_plan import LastBatch
 from lightning_loaders.schedule.map_schedule import MapSchedule, resolve_last_batch, resolve_seed
 from lightning_loaders.schedule.requests import BatchRequest
@@ -198,7 +199,10 @@ class MapStyleLoader(ResumableLoader):
             entry[0] = max(entry[0], state["offset_batches"])
         state["batches"] = entry[0]
         ranks = gather_by_rank(entry, rank, world_size)
-        state[PARTS] = {**state[PARTS], **self._parts(held), WINDOW: {"ranks": ranks}}
+        # Each rank's frontier replaces the cursor, so the schedule's audit of its own cursor
+        # no longer describes it: an out-of-order state is restored unaudited.
+        parts = {name: part for name, part in state[PARTS].items() if name != AUDIT}
+        state[PARTS] = {**parts, **self._parts(held), WINDOW: {"ranks": ranks}}
         return state
 
     def _parts(self, held: int) -> dict[str, Any]:
