@@ -23,7 +23,6 @@ becomes an upper bound.
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from collections import deque
@@ -36,6 +35,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.profilers import Profiler
 from torch.utils.data import IterableDataset, TensorDataset
+
+from lightning_loaders.engines.autotune import available_cpus
 
 __all__ = ["DataStallMonitor", "DataStallWarning"]
 
@@ -266,7 +267,7 @@ def _stall_hints(trainer: pl.Trainer) -> list[str]:
     loader = _first_loader(trainer.train_dataloader)
     hints = []
     workers = getattr(loader, "num_workers", None)
-    cpus = _available_cpus()
+    cpus = available_cpus()
     if getattr(loader, "gathers_in_memory", False):
         hints.append("the data is in memory and every batch is one gather in the training "
                      "process (worker processes would only add the cost of sending it): keep "
@@ -307,12 +308,6 @@ def _first_loader(iterables: Any) -> Any:
     if isinstance(iterables, (list, tuple)):
         return _first_loader(iterables[0]) if iterables else None
     return iterables
-
-
-def _available_cpus() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 class _FetchTimer(Profiler):
