@@ -26,6 +26,7 @@ arguments, so the rule is tested by feeding it measurements.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -43,6 +44,7 @@ __all__ = [
     "start",
 ]
 
+_log = logging.getLogger(__name__)
 Phase = Literal["workers", "prefetch", "done"]
 _NEXT_PHASE: dict[Phase, Phase] = {"workers": "prefetch", "prefetch": "done", "done": "done"}
 
@@ -175,7 +177,8 @@ def decide(config: AutotuneConfig, tuning: Tuning, window: Window) -> Tuning:
     if tuning.phase == "done":
         return tuning
     trial = Trial(tuning.setting, window)
-    best, phase = tuning.best, tuning.phase
+    best: Trial | None = tuning.best
+    phase: Phase = tuning.phase
     speed = f"{window.seconds_per_batch * 1e3:.3g} ms/batch"
     if best is None or window.seconds_per_batch < (best.window.seconds_per_batch
                                                    * (1 - config.min_gain)):
@@ -239,6 +242,11 @@ class Autotuner:
     def done(self) -> bool:
         return self.tuning.phase == "done"
 
+    @property
+    def pending(self) -> Setting | None:
+        """The setting decided but not yet ``applied()``."""
+        return self.tuning.setting if self._pending else None
+
     def observe(self, wait_s: float, work_s: float) -> Setting | None:
         if self.done or self._pending:
             return None
@@ -254,6 +262,7 @@ class Autotuner:
         self._batches, self._wait_s, self._wall_s = 0, 0.0, 0.0
         before = self.tuning.setting
         self.tuning = decide(self.config, self.tuning, window)
+        _log.info("autotune: %s", self.tuning.reason)
         if self.tuning.setting == before:
             return None
         self._pending = True

@@ -275,10 +275,11 @@ def _stall_hints(trainer: pl.Trainer) -> list[str]:
     elif workers == 0:
         hints.append(f"num_workers=0 fetches every batch inside the training loop: load in "
                      f"worker processes, e.g. num_workers={max(1, min(cpus - 1, 8))} (this "
-                     f"process can use {cpus} CPUs)")
+                     f"process can use {cpus} CPUs), or num_workers='auto' to tune it while "
+                     "training")
     elif isinstance(workers, int) and workers < cpus:
         hints.append(f"more worker processes: num_workers={workers} now, this process can use "
-                     f"{cpus} CPUs")
+                     f"{cpus} CPUs (num_workers='auto' tunes it while training)")
     else:
         hints.append("more loader worker processes, or cheaper per-sample work (decode, "
                      "augmentation) in the dataset")
