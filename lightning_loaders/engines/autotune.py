@@ -268,6 +268,13 @@ class Autotuner:
         self._pending = True
         return self.tuning.setting
 
+    def stop(self, reason: str) -> None:
+        """Tuning cannot change anything (``reason``): keep the current setting, measure no
+        more."""
+        self.tuning = replace(self.tuning, phase="done", reason=reason)
+        self._pending = False
+        _log.info("autotune: %s", reason)
+
     def applied(self) -> None:
         """The decided setting runs from now on: measure again after ``warmup`` batches."""
         self._pending = False

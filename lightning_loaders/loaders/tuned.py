@@ -41,15 +41,18 @@ def autotuner_for(num_workers: Any, prefetch_factor: int | None) -> Autotuner | 
 
 class TunedDelivery:
     """A loader's iterator (``inner``) whose batches are timed for ``tuner``; ``apply`` runs a
-    setting (the pool restarts from the cursor) and ``batches_left`` says how many batches the
-    epoch has left (``None``: unknown)."""
+    setting (the pool restarts from the cursor), ``batches_left`` says how many batches the
+    epoch has left (``None``: unknown) and ``untunable``, asked after an iterator's first
+    batch, why no setting could change the speed (``None``: it can), which stops the tuning."""
 
     def __init__(self, inner: Iterator[Any], tuner: Autotuner,
-                 apply: Callable[[Setting], None], batches_left: Callable[[], int | None]) -> None:
+                 apply: Callable[[Setting], None], batches_left: Callable[[], int | None],
+                 untunable: Callable[[], str | None]) -> None:
         self._inner = inner
         self._tuner = tuner
         self._apply = apply
         self._batches_left = batches_left
+        self._untunable = untunable
         self._returned: float | None = None  # when the previous next() returned a batch
 
     def __iter__(self) -> TunedDelivery:
@@ -66,7 +69,11 @@ class TunedDelivery:
             self._apply_pending()  # at the epoch's end, or before a retry
             raise
         now = time.perf_counter()
-        if self._returned is not None:
+        if self._returned is None and not self._tuner.done:
+            reason = self._untunable()
+            if reason is not None:
+                self._tuner.stop(reason)
+        elif self._returned is not None:
             decided = self._tuner.observe(now - called, called - self._returned)
             left = self._batches_left() if decided is not None else None
             if decided is not None and (left is None or left >= self._tuner.config.window):

@@ -111,7 +111,8 @@ class WorkerLoader(DeliveryCore):
         iterator = super().__iter__()
         if self._autotuner is None:
             return iterator
-        return TunedDelivery(iterator, self._autotuner, self._run_setting, self._batches_left)
+        return TunedDelivery(iterator, self._autotuner, self._run_setting, self._batches_left,
+                             self._untunable)
 
     @property
     def autotune(self) -> Tuning | None:
@@ -143,6 +144,10 @@ class WorkerLoader(DeliveryCore):
         self.num_workers = setting.workers
         self.prefetch_factor = setting.prefetch if setting.workers else None
         self.close()
+
+    def _untunable(self) -> str | None:
+        """Why no worker count could change this loader's speed (``None``: it can)."""
+        return None
 
     def _batches_left(self) -> int | None:
         """Batches left in the current epoch on this rank (``None``: unknown)."""

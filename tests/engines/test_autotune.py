@@ -147,3 +147,11 @@ def test_bad_config_is_refused_naming_the_field(field: str, value: object) -> No
 def test_max_workers_below_start_workers_is_refused() -> None:
     with pytest.raises(ValueError, match="start_workers=3"):
         AutotuneConfig(start_workers=3, max_workers=2)
+
+
+def test_stop_keeps_the_setting_and_measures_no_more() -> None:
+    tuner = Autotuner(CONFIG, 2)
+    assert [tuner.observe(0.009, 0.001) for _ in range(4)][-1] == Setting(1, 2)
+    tuner.stop("nothing to tune")
+    assert tuner.done and tuner.pending is None and tuner.tuning.reason == "nothing to tune"
+    assert tuner.observe(1.0, 0.0) is None

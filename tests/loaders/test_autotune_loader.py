@@ -209,3 +209,14 @@ def test_lightning_fit_and_resume_with_auto(tmp_path: Path) -> None:
     assert len(full) == 12
     per_epoch = [sorted(i for e, _, b in full if e == epoch for i in b) for epoch in (0, 1)]
     assert per_epoch == [list(range(12))] * 2
+
+
+def test_in_memory_data_stops_tuning_at_once() -> None:
+    """A TensorDataset is gathered in the main process whatever num_workers is: nothing to
+    tune, and no worker count is reported that does not run."""
+    data = torch.utils.data.TensorDataset(torch.arange(30.0))
+    loader = ResumableLoader(data, batch_size=3, num_workers=FORCED)
+    assert len(list(loader)) == 10
+    tuning = loader.autotune
+    assert tuning is not None and tuning.phase == "done" and tuning.changes == 0
+    assert "in memory" in tuning.reason and loader.num_workers == 0
