@@ -234,6 +234,7 @@ class Autotuner:
     def __init__(self, config: AutotuneConfig, prefetch: int) -> None:
         self.config = config
         self.tuning = start(config, prefetch)
+        self._running = self.tuning.setting  # the setting applied now
         self._ignore = 0
         self._pending = False
         self._batches, self._wait_s, self._wall_s = 0, 0.0, 0.0
@@ -269,13 +270,14 @@ class Autotuner:
         return self.tuning.setting
 
     def stop(self, reason: str) -> None:
-        """Tuning cannot change anything (``reason``): keep the current setting, measure no
-        more."""
-        self.tuning = replace(self.tuning, phase="done", reason=reason)
+        """Tuning cannot change anything (``reason``): keep the setting applied now, measure
+        no more."""
+        self.tuning = replace(self.tuning, setting=self._running, phase="done", reason=reason)
         self._pending = False
         _log.info("autotune: %s", reason)
 
     def applied(self) -> None:
         """The decided setting runs from now on: measure again after ``warmup`` batches."""
         self._pending = False
+        self._running = self.tuning.setting
         self._ignore = self.config.warmup

@@ -154,4 +154,5 @@ def test_stop_keeps_the_setting_and_measures_no_more() -> None:
     assert [tuner.observe(0.009, 0.001) for _ in range(4)][-1] == Setting(1, 2)
     tuner.stop("nothing to tune")
     assert tuner.done and tuner.pending is None and tuner.tuning.reason == "nothing to tune"
+    assert tuner.tuning.setting == Setting(0, 2)  # decided, never applied
     assert tuner.observe(1.0, 0.0) is None
