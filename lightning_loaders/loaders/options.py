@@ -72,9 +72,9 @@ def check_loader_arguments(*, batch_size: Any, num_workers: Any, timeout: Any,
                          f"{snapshot_every_n_steps!r} (it is accepted and ignored: the state "
                          "is exact at every step)")
     if not is_auto(num_workers) and (not _is_int(num_workers) or num_workers < 0):
-        raise ValueError(f"num_workers must be an int >= 0, 'auto' or an AutotuneConfig, got "
-                         f"{num_workers!r}: use 0 to load in the main process, the number of "
-                         "worker processes to start, or 'auto' to tune it while loading")
+        raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}: use 0 to load "
+                         "in the main process, the number of worker processes to start, or "
+                         "'auto' (or an AutotuneConfig) to tune it while loading")
     if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout < 0:
         raise ValueError(f"timeout must be a number >= 0, got {timeout!r}: use 0 to wait "
                          "without limit, or the seconds a worker may take for one batch")
