@@ -152,9 +152,9 @@ class Trial:
 
 @dataclass(frozen=True)
 class Tuning:
-    """Where tuning stands (``loader.autotune``): the current ``setting``, the ``best`` trial
-    so far, the ``phase``, the ``changes`` made, every ``trial`` in order, and the ``reason``
-    for the last decision."""
+    """Where tuning stands (``loader.autotune``): the ``setting`` decided last (running, or
+    about to run), the ``best`` trial so far, the ``phase``, the ``changes`` made, every
+    ``trial`` in order, and the ``reason`` for the last decision."""
 
     setting: Setting
     best: Trial | None

@@ -116,9 +116,10 @@ class WorkerLoader(DeliveryCore):
 
     @property
     def autotune(self) -> Tuning | None:
-        """With ``num_workers="auto"``: where tuning stands (current setting, best trial,
-        every trial measured, the reason for the last decision); ``None`` for a fixed count.
-        ``num_workers`` and ``prefetch_factor`` are always the current setting's."""
+        """With ``num_workers="auto"``: where tuning stands (the setting decided, the best
+        trial, every trial measured, the reason for the last decision; also logged at INFO);
+        ``None`` for a fixed count. ``num_workers`` and ``prefetch_factor`` are the setting
+        running now (a change decided near an epoch's end runs from the next epoch)."""
         return None if self._autotuner is None else self._autotuner.tuning
 
     def close(self) -> None:
@@ -152,7 +153,7 @@ class WorkerLoader(DeliveryCore):
     def _batches_left(self) -> int | None:
         """Batches left in the current epoch on this rank (``None``: unknown)."""
         try:
-            return int(self.schedule.num_batches()) - int(self.schedule.batches)
+            return self.schedule.num_batches() - self.schedule.batches
         except TypeError:
             return None
 
