@@ -18,6 +18,7 @@ from lightning_loaders.context import (
     sample_rng,
     worker_info,
 )
+from lightning_loaders.engines.autotune import AutotuneConfig
 from lightning_loaders.engines.faults import SkippedSample
 from lightning_loaders.errors import (
     LoaderError,
@@ -74,6 +75,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ArrowSource",
+    "AutotuneConfig",
     "DataStallMonitor",
     "DataStallWarning",
     "DynamicWeightedSampler",

@@ -23,7 +23,6 @@ becomes an upper bound.
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from collections import deque
@@ -36,6 +35,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.profilers import Profiler
 from torch.utils.data import IterableDataset, TensorDataset
+
+from lightning_loaders.engines.autotune import available_cpus
 
 __all__ = ["DataStallMonitor", "DataStallWarning"]
 
@@ -266,7 +267,7 @@ def _stall_hints(trainer: pl.Trainer) -> list[str]:
     loader = _first_loader(trainer.train_dataloader)
     hints = []
     workers = getattr(loader, "num_workers", None)
-    cpus = _available_cpus()
+    cpus = available_cpus()
     if getattr(loader, "gathers_in_memory", False):
         hints.append("the data is in memory and every batch is one gather in the training "
                      "process (worker processes would only add the cost of sending it): keep "
@@ -274,10 +275,11 @@ def _stall_hints(trainer: pl.Trainer) -> list[str]:
     elif workers == 0:
         hints.append(f"num_workers=0 fetches every batch inside the training loop: load in "
                      f"worker processes, e.g. num_workers={max(1, min(cpus - 1, 8))} (this "
-                     f"process can use {cpus} CPUs)")
+                     f"process can use {cpus} CPUs), or num_workers='auto' to tune it while "
+                     "training")
     elif isinstance(workers, int) and workers < cpus:
         hints.append(f"more worker processes: num_workers={workers} now, this process can use "
-                     f"{cpus} CPUs")
+                     f"{cpus} CPUs (num_workers='auto' tunes it while training)")
     else:
         hints.append("more loader worker processes, or cheaper per-sample work (decode, "
                      "augmentation) in the dataset")
@@ -307,12 +309,6 @@ def _first_loader(iterables: Any) -> Any:
     if isinstance(iterables, (list, tuple)):
         return _first_loader(iterables[0]) if iterables else None
     return iterables
-
-
-def _available_cpus() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 class _FetchTimer(Profiler):

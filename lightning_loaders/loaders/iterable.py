@@ -90,6 +90,7 @@ from lightning_loaders.loaders.options import LoaderOptions
 from lightning_loaders.loaders.resumable import ResumableLoader
 from lightning_loaders.schedule.map_plan import LastBatch
 from lightning_loaders.schedule.map_schedule import resolve_last_batch
+from lightning_loaders.schedule.partition_plan import uses_partitions
 from lightning_loaders.schedule.requests import Delivered, PartRequest, SlotEnd, SlotRequest
 from lightning_loaders.schedule.shard_plan import PlanConfig
 from lightning_loaders.schedule.shard_schedule import IterableSchedule
@@ -119,9 +120,11 @@ class ResumableIterableLoader(ResumableLoader):
             batches ahead to answer, and its workers prefetch at least as many).
         partitions: with known shard lengths (not ``"rollover"``), the number of canonical
             partitions the epoch order is planned over; ``None``: the saved number on resume,
-            else world size x slots per rank. Fixed for the run (saved in the state). The
-            epoch order is the same for every layout given the same number; a multiple of
-            every layout's ranks x workers lets each worker read its own partitions.
+            else world size x slots per rank (with ``num_workers="auto"``: x the most workers
+            the tuning may use, so the order never depends on it). Fixed for the run (saved
+            in the state). The epoch order is the same for every layout given the same
+            number; a multiple of every layout's ranks x workers lets each worker read its
+            own partitions.
 
     See the module docstring for the plan, the equal-count strategies and resume.
     """
@@ -175,7 +178,17 @@ class ResumableIterableLoader(ResumableLoader):
         config = PlanConfig(None if lengths is None else tuple(lengths), len(source.shards),
                             strided, self.batch_size, self.last_batch, self.shuffle, self.seed,
                             merge_short_tail=options.evaluation and not strided)
-        slots = max(1, options.num_workers)
+        tuner = self._autotuner
+        if tuner is not None and not uses_partitions(config):
+            raise ValueError(
+                "num_workers='auto' needs an order that does not depend on the number of "
+                "workers: a ShardedSource with known shard_lengths, without "
+                "last_batch='rollover' (planned over canonical partitions). Here each (rank, "
+                "worker) slot reads its own part of the shards, so changing the worker count "
+                "would change the data; set num_workers to a number")
+        # Under autotuning, the slots (and so the default partition count) are the most workers
+        # it may use, fixed for the run: the order and the state never depend on the tuning.
+        slots = max(1, self.num_workers if tuner is None else tuner.config.max_workers or 1)
         self.schedule = IterableSchedule(config, slots, max(1, shuffle_buffer),
                                          source.fingerprint, options.rank,
                                          options.world_size, partitions)

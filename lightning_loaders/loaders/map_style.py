@@ -321,6 +321,12 @@ class MapStyleLoader(ResumableLoader):
         fetcher = self._fetcher()
         return fetcher.in_memory and self._fetches_in_process(fetcher)
 
+    def _untunable(self) -> str | None:
+        if self.gathers_in_memory:
+            return ("the data is in memory and gathered in this process whatever num_workers "
+                    "is: no worker is started")
+        return None
+
     def _fetches_in_process(self, fetcher: BatchFetcher) -> bool:
         """Without workers, or for in-memory data with no ``worker_init_fn``: a batch is then
         one vectorised gather, far cheaper than sending it from a worker process. Pinned

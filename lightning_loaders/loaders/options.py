@@ -11,11 +11,13 @@ import multiprocessing
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from lightning_loaders.engines.autotune import AutotuneConfig
 from lightning_loaders.engines.faults import ON_ERROR, OnError
+from lightning_loaders.loaders.tuned import is_auto
 from lightning_loaders.schedule.map_plan import LastBatch
 
 __all__ = ["LoaderOptions", "check_loader_arguments", "check_picklable", "start_method"]
@@ -30,7 +32,7 @@ class LoaderOptions:
     shuffle: bool | None
     sampler: Any
     batch_sampler: Any
-    num_workers: int
+    num_workers: int | Literal["auto"] | AutotuneConfig
     collate_fn: Callable[[list[Any]], Any] | None
     pin_memory: bool
     drop_last: bool
@@ -69,9 +71,10 @@ def check_loader_arguments(*, batch_size: Any, num_workers: Any, timeout: Any,
         raise ValueError(f"snapshot_every_n_steps must be an int >= 1, got "
                          f"{snapshot_every_n_steps!r} (it is accepted and ignored: the state "
                          "is exact at every step)")
-    if not _is_int(num_workers) or num_workers < 0:
+    if not is_auto(num_workers) and (not _is_int(num_workers) or num_workers < 0):
         raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}: use 0 to load "
-                         "in the main process, or the number of worker processes to start")
+                         "in the main process, the number of worker processes to start, or "
+                         "'auto' (or an AutotuneConfig) to tune it while loading")
     if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout < 0:
         raise ValueError(f"timeout must be a number >= 0, got {timeout!r}: use 0 to wait "
                          "without limit, or the seconds a worker may take for one batch")

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from types import GenericAlias
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.utils.data import BatchSampler, IterableDataset, Sampler
 
+from lightning_loaders.engines.autotune import AutotuneConfig
 from lightning_loaders.engines.faults import OnError
 from lightning_loaders.loaders.options import LoaderOptions
 from lightning_loaders.loaders.worker_loader import WorkerLoader
@@ -57,6 +58,13 @@ class ResumableLoader(WorkerLoader):
         shuffle_buffer, sync_interval, partitions: for iterable datasets
             (``ResumableIterableLoader``, which an iterable dataset gets); a map-style dataset
             refuses them.
+        num_workers: as in ``DataLoader``, or ``"auto"`` (or an ``AutotuneConfig``): start in
+            the main process and, while the caller waits for data, try more workers (up to
+            the usable CPUs) and deeper prefetch, keeping what makes delivery faster
+            (``lightning_loaders.engines.autotune`` has the rule). The order never depends on
+            them, so tuning changes speed, never data or ``state_dict()``. ``num_workers``
+            and ``prefetch_factor`` then read the current setting and ``autotune`` reports
+            the trials. Iterable datasets need known shard lengths (canonical partitions).
         snapshot_every_n_steps: accepted for ``torchdata``'s ``StatefulDataLoader`` code and
             ignored: the state is exact at every step, and costs nothing to take.
 
@@ -98,7 +106,7 @@ class ResumableLoader(WorkerLoader):
         shuffle: bool | None = None,
         sampler: Sampler[Any] | SampleOrder | None = None,
         batch_sampler: BatchSampler | Iterable[list[int]] | None = None,
-        num_workers: int = 0,
+        num_workers: int | Literal["auto"] | AutotuneConfig = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool = False,
         drop_last: bool = False,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 from torch.utils.data._utils import worker as torch_worker
 
 from lightning_loaders.context import WorkerInfo, set_worker
+from lightning_loaders.engines.autotune import Autotuner, Setting, Tuning
 from lightning_loaders.engines.faults import Failed, OnError
 from lightning_loaders.engines.fetch import BatchFetcher
 from lightning_loaders.engines.workers import WorkerLost, WorkerPool, WorkerStalled, shutdown
@@ -33,6 +34,7 @@ from lightning_loaders.loaders.options import (
     check_picklable,
     start_method,
 )
+from lightning_loaders.loaders.tuned import TunedDelivery, autotuner_for
 from lightning_loaders.schedule.map_schedule import resolve_seed
 
 __all__ = ["WorkerLoader"]
@@ -51,6 +53,7 @@ class WorkerLoader(DeliveryCore):
 
     schedule: Any
     _initialized = False
+    _autotuner: Autotuner | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Refuse, as ``DataLoader`` does, to change how batches are made once built."""
@@ -72,12 +75,16 @@ class WorkerLoader(DeliveryCore):
             max_worker_restarts=o.max_worker_restarts,
             snapshot_every_n_steps=o.snapshot_every_n_steps)
         assert o.batch_size is not None
-        if o.num_workers > 0:
+        self._autotuner = autotuner_for(o.num_workers, o.prefetch_factor)
+        tuned = self._autotuner.tuning.setting if self._autotuner else None
+        num_workers = o.num_workers if tuned is None else tuned.workers
+        assert isinstance(num_workers, int)
+        if num_workers > 0 or tuned is not None:
             check_picklable(start_method(o.multiprocessing_context), dataset=dataset,
                             collate_fn=o.collate_fn, worker_init_fn=o.worker_init_fn)
         self.dataset = dataset
         self.batch_size: int = o.batch_size
-        self.num_workers = o.num_workers
+        self.num_workers = num_workers
         self.collate_fn = o.collate_fn
         self.pin_memory = o.pin_memory
         self.drop_last = drop_last
@@ -85,8 +92,9 @@ class WorkerLoader(DeliveryCore):
         self.worker_init_fn = o.worker_init_fn
         self.multiprocessing_context = o.multiprocessing_context
         self.generator = o.generator
-        self.prefetch_factor = o.prefetch_factor
-        self.persistent_workers = o.num_workers > 0 and o.persistent_workers is not False
+        self.prefetch_factor = o.prefetch_factor if tuned is None or tuned.workers else None
+        self.persistent_workers = ((num_workers > 0 or tuned is not None)
+                                   and o.persistent_workers is not False)
         self.pin_memory_device = o.pin_memory_device
         self.in_order = o.in_order
         self.snapshot_every_n_steps = o.snapshot_every_n_steps
@@ -97,6 +105,22 @@ class WorkerLoader(DeliveryCore):
         self._epoch_restarts = 0
         self.worker_restarts = 0
         """Worker restarts after crashes in this process (all epochs)."""
+
+    def __iter__(self) -> Iterator[Any]:
+        """A new iterator (cheap); with ``num_workers="auto"``, timed for the autotuner."""
+        iterator = super().__iter__()
+        if self._autotuner is None:
+            return iterator
+        return TunedDelivery(iterator, self._autotuner, self._run_setting, self._batches_left,
+                             self._untunable)
+
+    @property
+    def autotune(self) -> Tuning | None:
+        """With ``num_workers="auto"``: where tuning stands (the setting decided, the best
+        trial, every trial measured, the reason for the last decision; also logged at INFO);
+        ``None`` for a fixed count. ``num_workers`` and ``prefetch_factor`` are the setting
+        running now (a change decided near an epoch's end runs from the next epoch)."""
+        return None if self._autotuner is None else self._autotuner.tuning
 
     def close(self) -> None:
         """Shut the worker processes down now (they also stop when the loader is collected).
@@ -115,6 +139,23 @@ class WorkerLoader(DeliveryCore):
         raise NotImplementedError
 
     # -- workers ----------------------------------------------------------------------------
+
+    def _run_setting(self, setting: Setting) -> None:
+        """Run the autotuner's ``setting``: the pool restarts from the cursor with it."""
+        self.num_workers = setting.workers
+        self.prefetch_factor = setting.prefetch if setting.workers else None
+        self.close()
+
+    def _untunable(self) -> str | None:
+        """Why no worker count could change this loader's speed (``None``: it can)."""
+        return None
+
+    def _batches_left(self) -> int | None:
+        """Batches left in the current epoch on this rank (``None``: unknown)."""
+        try:
+            return self.schedule.num_batches() - self.schedule.batches
+        except TypeError:
+            return None
 
     def _worker_pool(self, fetcher: Dataset[Any], sampler: Sampler[Any],
                      prefetch_factor: int | None) -> DataLoader[Any]:

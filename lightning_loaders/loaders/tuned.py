@@ -1,0 +1,88 @@
+"""``num_workers="auto"``: a loader's iterator timed for its ``Autotuner``, and the changes it
+decides applied by rebuilding the worker pool from the cursor.
+
+The rule is ``lightning_loaders.engines.autotune``'s. Here each delivered batch is timed: the
+caller's wait inside ``next()`` and its work since the previous ``next()`` returned; the first
+batch of every iterator (an epoch's start, or a new ``iter()``) is left out, and so is the time
+between epochs. A decided setting is applied by ``apply`` (the loader sets ``num_workers`` and
+``prefetch_factor`` and closes its pool; the next batch comes from a new pool, at the cursor),
+at once when ``window`` batches or more are left in the epoch, else at the epoch's end, where
+no prefetched batch is thrown away. Because the order never depends on the layout, this
+changes speed, never data, and ``state_dict()`` is the same cursor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from lightning_loaders.engines.autotune import AutotuneConfig, Autotuner, Setting
+
+__all__ = ["AUTO", "TunedDelivery", "autotuner_for", "is_auto"]
+
+AUTO = "auto"
+
+
+def is_auto(num_workers: Any) -> bool:
+    """Whether ``num_workers`` asks for autotuning (``"auto"`` or an ``AutotuneConfig``)."""
+    return isinstance(num_workers, AutotuneConfig) or (isinstance(num_workers, str)
+                                                       and num_workers == AUTO)
+
+
+def autotuner_for(num_workers: Any, prefetch_factor: int | None) -> Autotuner | None:
+    """The autotuner ``num_workers`` asks for (``None`` for a fixed count). A given
+    ``prefetch_factor`` is kept; otherwise prefetch starts at 2 (``DataLoader``'s default)."""
+    if not is_auto(num_workers):
+        return None
+    config = num_workers if isinstance(num_workers, AutotuneConfig) else AutotuneConfig()
+    return Autotuner(config.resolved(prefetch_factor), prefetch_factor or 2)
+
+
+class TunedDelivery:
+    """A loader's iterator (``inner``) whose batches are timed for ``tuner``; ``apply`` runs a
+    setting (the pool restarts from the cursor), ``batches_left`` says how many batches the
+    epoch has left (``None``: unknown) and ``untunable``, asked after an iterator's first
+    batch, why no setting could change the speed (``None``: it can), which stops the tuning."""
+
+    def __init__(self, inner: Iterator[Any], tuner: Autotuner,
+                 apply: Callable[[Setting], None], batches_left: Callable[[], int | None],
+                 untunable: Callable[[], str | None]) -> None:
+        self._inner = inner
+        self._tuner = tuner
+        self._apply = apply
+        self._batches_left = batches_left
+        self._untunable = untunable
+        self._returned: float | None = None  # when the previous next() returned a batch
+
+    def __iter__(self) -> TunedDelivery:
+        return self
+
+    def __next__(self) -> Any:
+        if self._returned is None:
+            self._apply_pending()
+        called = time.perf_counter()
+        try:
+            batch = next(self._inner)
+        except BaseException:
+            self._returned = None
+            self._apply_pending()  # at the epoch's end, or before a retry
+            raise
+        now = time.perf_counter()
+        if self._returned is None and not self._tuner.done:
+            reason = self._untunable()
+            if reason is not None:
+                self._tuner.stop(reason)
+        elif self._returned is not None:
+            decided = self._tuner.observe(now - called, called - self._returned)
+            left = self._batches_left() if decided is not None else None
+            if decided is not None and (left is None or left >= self._tuner.config.window):
+                self._apply_pending()
+        self._returned = now
+        return batch
+
+    def _apply_pending(self) -> None:
+        setting = self._tuner.pending
+        if setting is not None:
+            self._apply(setting)
+            self._tuner.applied()

@@ -1,0 +1,222 @@
+"""``num_workers="auto"``: tuning the worker count changes speed, never data.
+
+The tuning config below forces changes whatever the machine's speed: ``high_wait=0`` makes the
+first window (0 workers, a dataset that sleeps) always try 1 worker, and the next window either
+tries 2 or goes back to 0, a second change either way. What is checked is the stream, the state
+and the processes, never timings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from lightning_loaders import AutotuneConfig, GeneratorSource, ResumableLoader
+from lightning_loaders.testing import check_resume_at_every_step, run_epochs, to_plain
+from tests.conftest import loader_processes
+from tests.lightning_harness import check_trainer_resume
+
+FORCED = AutotuneConfig(max_workers=2, window=2, warmup=0, high_wait=0.0, min_gain=0.0)
+SLEEP_S = 0.001
+
+
+class SlowDataset(Dataset[dict[str, torch.Tensor]]):
+    """Sample ``i`` is ``{"index": i, "x": ...}`` after a short sleep (so that batches are waited
+    for), never gathered in memory."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        time.sleep(SLEEP_S)
+        return {"index": torch.tensor(index), "x": torch.full((3,), float(index))}
+
+
+def slow_shard(shard: tuple[int, int], start: int) -> Iterator[dict[str, Any]]:
+    first, length = shard
+    for i in range(first + start, first + length):
+        time.sleep(SLEEP_S)
+        yield {"index": torch.tensor(i), "x": torch.full((3,), float(i))}
+
+
+def sharded_source() -> GeneratorSource[dict[str, Any]]:
+    shards = [(0, 7), (7, 5), (12, 9), (21, 6)]
+    return GeneratorSource(slow_shard, shards, lengths=[n for _, n in shards], seekable=True)
+
+
+def factory(kind: str, num_workers: Any, n: int = 36) -> Callable[[], ResumableLoader]:
+    def make() -> ResumableLoader:
+        if kind == "map":
+            return ResumableLoader(SlowDataset(n), batch_size=3, shuffle=True, seed=5,
+                                   num_workers=num_workers)
+        return ResumableLoader(sharded_source(), batch_size=3, shuffle=True, seed=5,
+                               partitions=4, num_workers=num_workers)
+    return make
+
+
+def recorded(loader: ResumableLoader, epochs: int) -> tuple[list[Any], list[dict[str, Any]],
+                                                           list[int]]:
+    """Batches, the state after each, and ``num_workers`` when each was delivered."""
+    batches, states, workers = [], [], []
+    for epoch in range(epochs):
+        loader.sampler.set_epoch(epoch)
+        for batch in loader:
+            batches.append(to_plain(batch))
+            states.append(loader.state_dict())
+            workers.append(loader.num_workers)
+    return batches, states, workers
+
+
+@pytest.mark.parametrize("kind", ["map", "sharded"])
+def test_an_autotuned_run_delivers_the_same_bytes_and_states_as_fixed_runs(kind: str) -> None:
+    fixed = {w: recorded(factory(kind, w)(), 2) for w in (0, 2)}
+    with factory(kind, FORCED)() as tuned:
+        batches, states, workers = recorded(tuned, 2)
+        tuning = tuned.autotune
+    assert tuning is not None and tuning.changes >= 2
+    assert any(trial.setting.workers > 0 for trial in tuning.trials)
+    assert len(set(workers)) > 1, f"the worker count never changed while loading: {workers}"
+    assert batches == fixed[0][0] == fixed[2][0]
+    assert states == fixed[2][1], "state_dict() must not depend on the tuned worker count"
+    if kind == "map":
+        assert states == fixed[0][1]
+
+
+@pytest.mark.parametrize("kind", ["map", "sharded"])
+def test_autotuned_resume_at_every_step(kind: str) -> None:
+    check_resume_at_every_step(factory(kind, FORCED, n=18), epochs=2)
+
+
+@pytest.mark.parametrize("kind", ["map", "sharded"])
+@pytest.mark.parametrize("first", ["auto", "fixed"])
+def test_states_move_between_tuned_and_fixed_loaders(kind: str, first: str) -> None:
+    """The run is made by the first loader, each resume by the other kind (0 or 2 workers)."""
+    calls = iter(range(1000))
+
+    def make() -> ResumableLoader:
+        call = next(calls)
+        if (call == 0) == (first == "auto"):
+            return factory(kind, FORCED, n=18)()
+        return factory(kind, 2 * (call % 2), n=18)()
+
+    check_resume_at_every_step(make, epochs=2)
+
+
+def test_a_change_decided_near_the_epoch_end_waits_for_it() -> None:
+    """5 batches per epoch and windows of 3: the first decision comes with 1 batch left, so
+    the pool is rebuilt at the epoch's end, not mid-epoch."""
+    config = AutotuneConfig(max_workers=2, window=3, warmup=0, high_wait=0.0)
+    loader = ResumableLoader(SlowDataset(15), batch_size=3, num_workers=config)
+    _, _, workers = recorded(loader, 1)
+    assert workers == [0] * 5
+    assert loader.num_workers == 1 and loader.prefetch_factor == 2
+    assert [batch for epoch in run_epochs(loader, [1]) for batch in epoch]
+    loader.close()
+
+
+def test_no_worker_outlives_the_loader_after_changes() -> None:
+    loader = factory("map", FORCED)()
+    processes = []
+    for batch in loader:
+        del batch
+        processes.append(len(loader_processes()))
+    assert loader.autotune is not None and loader.autotune.changes >= 2
+    assert max(processes) > 0 and all(p <= 2 for p in processes), processes  # old pools stopped
+    loader.close()
+    assert loader_processes() == []
+    iterator = iter(loader)  # goes on from the cursor: a new epoch, and workers if tuned so
+    next(iterator)
+    del iterator, loader
+    assert loader_processes() == []
+
+
+def test_fixed_loaders_report_no_tuning_and_auto_starts_in_the_main_process() -> None:
+    assert ResumableLoader(SlowDataset(4), num_workers=2).autotune is None
+    loader = ResumableLoader(SlowDataset(4), num_workers="auto")
+    assert loader.num_workers == 0 and loader.prefetch_factor is None
+    assert loader.persistent_workers
+    tuning = loader.autotune
+    assert tuning is not None and tuning.phase == "workers" and tuning.changes == 0
+    assert "num_workers=0" in repr(loader)
+
+
+def test_a_given_prefetch_factor_is_kept_while_tuning() -> None:
+    loader = ResumableLoader(SlowDataset(4), num_workers="auto", prefetch_factor=3)
+    assert loader.autotune is not None and loader.autotune.setting.prefetch == 3
+
+
+@pytest.mark.parametrize("bad", ["Auto", "4", -1, 1.5, None])
+def test_bad_num_workers_names_auto(bad: Any) -> None:
+    with pytest.raises(ValueError, match="'auto'"):
+        ResumableLoader(SlowDataset(4), num_workers=bad)
+
+
+def unknown_length_source() -> GeneratorSource[dict[str, Any]]:
+    return GeneratorSource(slow_shard, [(0, 4), (4, 4)], seekable=True)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: ResumableLoader(unknown_length_source(), batch_size=2, num_workers="auto"),
+    lambda: ResumableLoader(sharded_source(), batch_size=2, last_batch="rollover",
+                            num_workers="auto"),
+    lambda: ResumableLoader(_Plain(), batch_size=2, num_workers="auto"),
+], ids=["unknown-lengths", "rollover", "plain"])
+def test_layout_dependent_iterables_refuse_auto(make: Callable[[], Any]) -> None:
+    with pytest.raises(ValueError, match="num_workers='auto' needs an order that does not"):
+        make()
+
+
+class _Plain(torch.utils.data.IterableDataset[int]):
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(8))
+
+    def __len__(self) -> int:
+        return 8
+
+
+def test_sharded_auto_plans_over_max_workers_slots_by_default() -> None:
+    """Without ``partitions``, the epoch order is the one a fixed run with ``max_workers``
+    workers has: it never depends on the tuning."""
+    config = AutotuneConfig(max_workers=2, window=2, warmup=0, high_wait=0.0)
+
+    def make(num_workers: Any) -> ResumableLoader:
+        return ResumableLoader(sharded_source(), batch_size=3, shuffle=True, seed=5,
+                               num_workers=num_workers)
+
+    assert run_epochs(make(config), range(2)) == run_epochs(make(2), range(2))
+
+
+def test_lightning_fit_and_resume_with_auto(tmp_path: Path) -> None:
+    made: list[ResumableLoader] = []
+
+    def make() -> ResumableLoader:
+        made.append(ResumableLoader(SlowDataset(12), batch_size=2, shuffle=True, seed=3,
+                                    num_workers=FORCED))
+        return made[-1]
+
+    full = check_trainer_resume(make, tmp_path, max_epochs=2, steps=[1, 4, 6, 9])
+    tuning = made[0].autotune
+    assert tuning is not None and tuning.changes >= 2, "the uninterrupted fit never tuned"
+    assert len(full) == 12
+    per_epoch = [sorted(i for e, _, b in full if e == epoch for i in b) for epoch in (0, 1)]
+    assert per_epoch == [list(range(12))] * 2
+
+
+def test_in_memory_data_stops_tuning_at_once() -> None:
+    """A TensorDataset is gathered in the main process whatever num_workers is: nothing to
+    tune, and no worker count is reported that does not run."""
+    data = torch.utils.data.TensorDataset(torch.arange(30.0))
+    loader = ResumableLoader(data, batch_size=3, num_workers=FORCED)
+    assert len(list(loader)) == 10
+    tuning = loader.autotune
+    assert tuning is not None and tuning.phase == "done" and tuning.changes == 0
+    assert "in memory" in tuning.reason and loader.num_workers == 0
