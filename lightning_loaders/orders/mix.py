@@ -52,6 +52,7 @@ MIX_MODES: tuple[MixMode, ...] = ("cycle", "replacement", "stop")
 _SOURCE, _PICK, _PASS, _STOP, _STOP_SOURCE = 0x313, 0x314, 0x315, 0x316, 0x317
 _CHUNK_BITS = 16
 _CHUNK = 1 << _CHUNK_BITS
+_SMALL_SOURCE = 4096  # sources up to this size are permuted by sorting hashes
 
 Weights = Any  # a sequence (or array, tensor) of one non-negative weight per source
 
@@ -321,14 +322,26 @@ class MixOrder:
         """Sample ``counts % n_k`` of pass ``counts // n_k`` of source ``k``'s stream."""
         passes, offsets = np.divmod(counts, self.lengths[source])
         sample = np.empty_like(counts)
-        groups = np.unique(np.stack([source, passes]), axis=1, return_inverse=True)[1].ravel()
-        order = np.argsort(groups, kind="stable")
-        bounds = np.flatnonzero(np.diff(groups[order])) + 1
-        for members in np.split(order, bounds):
-            k, p = int(source[members[0]]), int(passes[members[0]])
-            perm = KeyedPermutation(int(self.lengths[k]), mix64(self._seed, epoch, _PASS, k, p))
-            sample[members] = perm[offsets[members]]
+        for k in np.unique(source).tolist():
+            mask = source == k
+            sample[mask] = self._passes(epoch, k, passes[mask], offsets[mask])
         return sample
+
+    def _passes(self, epoch: int, k: int, passes: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """Element ``offsets`` of the permutations ``passes`` of source ``k``: a small source's
+        permutations are sorted hashes (all passes at once), a large one's keyed bijections."""
+        n = int(self.lengths[k])
+        unique, row = np.unique(passes, return_inverse=True)
+        if n <= _SMALL_SOURCE:
+            values = (unique[:, None] * n + np.arange(n)).astype(np.uint64)
+            perms = np.argsort(mix64_array(mix64(self._seed, epoch, _PASS, k), values), axis=1,
+                               kind="stable")
+            return perms[row.ravel(), offsets]
+        out = np.empty_like(offsets)
+        for i, p in enumerate(unique.tolist()):
+            mask = row.ravel() == i
+            out[mask] = KeyedPermutation(n, mix64(self._seed, epoch, _PASS, k, p))[offsets[mask]]
+        return out
 
     def _draw_counts(self, epoch: int, pos: np.ndarray) -> np.ndarray:
         """For each position, how many earlier positions of the epoch drew its source."""
