@@ -34,6 +34,7 @@ from lightning_loaders.orders.base import SampleOrder
 from lightning_loaders.orders.dynamic_weighted import DynamicWeightedSampler
 from lightning_loaders.schedule.map_plan import LastBatch
 from lightning_loaders.sources.hf import HFSource
+from lightning_loaders.sources.mix import Mix
 from lightning_loaders.sources.packed import pack
 from lightning_loaders.sources.parquet import ArrowSource, ParquetSource
 from lightning_loaders.sources.shards import (
@@ -83,6 +84,7 @@ __all__ = [
     "LastBatch",
     "LineFiles",
     "LoaderError",
+    "Mix",
     "ParquetSource",
     "RecordFiles",
     "ResumableDataModule",
