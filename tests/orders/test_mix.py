@@ -3,6 +3,8 @@ weights at its step); each source's samples follow its own cursor; the exhaustio
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -26,11 +28,14 @@ def proportions_match(sources: np.ndarray, weights: list[float]) -> bool:
     return chi_square(counts, np.asarray(weights)) < CHI2_999[len(weights) - 1]
 
 
-def make(mode: str = "cycle", weights=((0, [1, 1, 1]), (5, [0.2, 0.3, 0.5])),
-         lengths=(7, 50, 300), samples_per_epoch: int | None = 2000, batch_size: int | None = 16,
+SCHEDULE = [(0, [1, 1, 1]), (5, [0.2, 0.3, 0.5])]
+
+
+def make(mode: str = "cycle", weights: Any = None, lengths=(7, 50, 300),
+         samples_per_epoch: int | None = 2000, batch_size: int | None = 16,
          seed: int = 5) -> MixOrder:
-    weights = [tuple(w) for w in weights] if isinstance(weights[0], tuple) else weights
-    return MixOrder(list(lengths), WeightSchedule(list(weights), len(lengths)), mode,
+    weights = SCHEDULE if weights is None else weights
+    return MixOrder(list(lengths), WeightSchedule(weights, len(lengths)), mode,
                     samples_per_epoch, batch_size, seed)
 
 
