@@ -371,13 +371,17 @@ class MixOrder:
     def _chunk_start_counts(self, epoch: int, chunk: int) -> np.ndarray:
         """Draws per source before ``chunk``, from the checkpoints of earlier chunks."""
         memo = self._counts
-        if memo is None or memo[0] != epoch:
-            memo = self._counts = (epoch, [np.zeros(self.lengths.size, dtype=np.int64)])
-        checkpoints = memo[1]
+        if memo is not None and memo[0] == epoch and len(memo[1]) > chunk:
+            return memo[1][chunk]
+        # Extended on a copy and replaced by one assignment: a concurrent caller never sees a
+        # list being extended.
+        checkpoints = list(memo[1]) if memo is not None and memo[0] == epoch else [
+            np.zeros(self.lengths.size, dtype=np.int64)]
         while len(checkpoints) <= chunk:
             done = len(checkpoints) - 1
             drawn = np.bincount(self._chunk_sources(epoch, done), minlength=self.lengths.size)
             checkpoints.append(checkpoints[-1] + drawn)
+        self._counts = (epoch, checkpoints)
         return checkpoints[chunk]
 
     def _chunk_sources(self, epoch: int, chunk: int) -> np.ndarray:
