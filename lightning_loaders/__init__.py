@@ -35,6 +35,7 @@ from lightning_loaders.orders.base import SampleOrder
 from lightning_loaders.orders.dynamic_weighted import DynamicWeightedSampler
 from lightning_loaders.schedule.map_plan import LastBatch
 from lightning_loaders.sources.hf import HFSource
+from lightning_loaders.sources.mix import Mix
 from lightning_loaders.sources.packed import pack
 from lightning_loaders.sources.parquet import ArrowSource, ParquetSource
 from lightning_loaders.sources.shards import (
@@ -85,6 +86,7 @@ __all__ = [
     "LastBatch",
     "LineFiles",
     "LoaderError",
+    "Mix",
     "ParquetSource",
     "RecordFiles",
     "ResumableDataModule",

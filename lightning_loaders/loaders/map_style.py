@@ -54,6 +54,7 @@ from lightning_loaders.schedule.audit import AUDIT
 from lightning_loaders.schedule.map_plan import LastBatch
 from lightning_loaders.schedule.map_schedule import MapSchedule, resolve_last_batch, resolve_seed
 from lightning_loaders.schedule.requests import BatchRequest
+from lightning_loaders.sources.mix import Mix
 from lightning_loaders.state import PARTS, Stateful
 
 __all__ = ["MapStyleLoader"]
@@ -103,6 +104,8 @@ class MapStyleLoader(ResumableLoader):
         if unbatched:
             self.batch_size = None  # type: ignore[assignment]  # DataLoader's surface
         sampler = options.sampler
+        if isinstance(dataset, Mix):
+            sampler = _mix_order(dataset, options, seed)
         if sampler is not None and options.shuffle:
             raise ValueError("shuffle=True cannot be combined with a sampler: the sampler "
                              "decides the order (drop shuffle, or drop the sampler)")
@@ -378,6 +381,18 @@ class MapStyleLoader(ResumableLoader):
         if shuffle:
             return ShuffledOrder(dataset_len, self.seed)
         return SequentialOrder(dataset_len)
+
+
+def _mix_order(mix: Mix, options: LoaderOptions, seed: int) -> SampleOrder:
+    """A ``Mix`` is its own order: a sampler or ``shuffle=True`` would contradict it (a
+    ``DataLoader``'s default ``SequentialSampler``, as ``make_resumable`` passes it, is fine)."""
+    sampler = options.sampler
+    default = type(sampler) is SequentialSampler and len(sampler) == len(mix)
+    if options.shuffle or (sampler is not None and not default):
+        raise ValueError("a Mix decides its own order (its weighted draws are already random): "
+                         "drop shuffle=True and the sampler; change the mixture with its "
+                         "weights, mode and samples_per_epoch")
+    return mix.order.bind(seed)
 
 
 class _RequestSampler(Sampler[BatchRequest]):

@@ -26,7 +26,7 @@ from lightning_loaders.collectives import all_gather
 from lightning_loaders.hashing import digest, mix64
 from lightning_loaders.orders.random import check_weights, weighted_draws
 
-__all__ = ["DynamicWeightedSampler"]
+__all__ = ["DynamicWeightedSampler", "check_same_on_every_rank"]
 
 _TAG = 0xD1A
 
@@ -93,7 +93,7 @@ class DynamicWeightedSampler(Sampler[int]):
     def set_weights(self, weights: Any) -> None:
         """Replace all weights; they must be identical on every rank (checked)."""
         new = check_weights(weights, self._initial.size)
-        _check_same_on_every_rank(new)
+        check_same_on_every_rank(new)
         self._use(new)
 
     def update_weights(self, indices: Any, values: Any) -> None:
@@ -143,7 +143,8 @@ class DynamicWeightedSampler(Sampler[int]):
             yield int(self.indices(epoch, np.array([position]))[0])
 
 
-def _check_same_on_every_rank(weights: np.ndarray) -> None:
+def check_same_on_every_rank(weights: np.ndarray) -> None:
+    """Refuse weights that differ between ranks (collective under a process group)."""
     digests = all_gather(digest(weights))
     if len(set(digests)) > 1:
         raise ValueError(

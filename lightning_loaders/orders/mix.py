@@ -1,0 +1,405 @@
+"""The order of a weighted mixture of sources: which source, and which of its samples, sits at
+each position of an epoch (``MixOrder``), as a pure function of the configuration.
+
+- **Which source.** ``source_at(seed, epoch, positions, weights)``: a uniform hashed from
+  ``(seed, epoch, position)`` against the cumulative weights, the weights being those of the
+  position's global step (``WeightSchedule``). Every rank computes the same source for every
+  position without communication, whatever the world size or the worker count.
+- **Global step** of position ``p`` in epoch ``e``: ``e * ceil(L / G) + p // G`` for an epoch
+  of ``L`` samples and a global batch of ``G`` samples (``batch_size``, all ranks together):
+  Lightning's ``global_step`` under ``last_batch="keep"``, one optimizer step per batch.
+- **Which sample of that source** depends on the exhaustion mode:
+
+  ``"cycle"``: source ``k``'s ``c``-th draw of the epoch (``c`` = earlier positions of the
+  epoch that drew ``k``) reads its own stream: pass ``c // n_k`` is a fresh permutation of
+  ``range(n_k)`` keyed by ``(seed, epoch, k, pass)``, so an exhausted source restarts
+  reshuffled. The epoch has ``samples_per_epoch`` positions.
+
+  ``"replacement"``: every draw picks a uniformly random sample of its source (sampling with
+  replacement); ``samples_per_epoch`` positions.
+
+  ``"stop"``: the epoch ends when the first source runs out: source ``k`` contributes exactly
+  ``c_k`` samples, ``c`` proportional to the weights (largest remainders) and as large as the
+  sources allow, so the source that runs out first is read entirely and no sample is read twice.
+  The positions are a keyed shuffle of that multiset. Weights must then be constant.
+
+The draw counts of ``"cycle"`` are the only non-local quantity: they are recomputed from the
+draws (vectorised, a chunk of ``2**16`` positions at a time, checkpointed per chunk), so the
+state stays O(number of weight changes), never O(epoch), and a resume costs one O(position)
+recount. Weight changes made mid-run (``set_weights(weights, step)``) are breakpoints kept in
+the state; they bump ``version`` so that a loader re-plans what it had prefetched.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from lightning_loaders.hashing import digest, mix64, mix64_array
+from lightning_loaders.orders.dynamic_weighted import check_same_on_every_rank
+from lightning_loaders.orders.permutation import KeyedPermutation
+from lightning_loaders.orders.random import check_weights, weighted_draws
+
+__all__ = ["MIX_MODES", "MixMode", "MixOrder", "WeightSchedule", "source_at"]
+
+MixMode = Literal["cycle", "replacement", "stop"]
+MIX_MODES: tuple[MixMode, ...] = ("cycle", "replacement", "stop")
+
+# Stream tags: independent hashes for the source draw, the picks and the permutations.
+_SOURCE, _PICK, _PASS, _STOP, _STOP_SOURCE = 0x313, 0x314, 0x315, 0x316, 0x317
+_CHUNK_BITS = 16
+_CHUNK = 1 << _CHUNK_BITS
+_SMALL_SOURCE = 4096  # sources up to this size are permuted by sorting hashes
+
+Weights = Any  # a sequence (or array, tensor) of one non-negative weight per source
+
+
+def source_at(seed: int, epoch: int, positions: np.ndarray, weights: Weights) -> np.ndarray:
+    """The source (int64) drawn at each of ``positions`` of ``epoch`` under ``weights``: the
+    inverse CDF of a uniform hashed from ``(seed, epoch, position)``. A pure function."""
+    array = check_weights(weights)
+    return weighted_draws(np.cumsum(array), int(np.flatnonzero(array)[-1]),
+                          mix64(seed, epoch, _SOURCE), np.asarray(positions, dtype=np.int64))
+
+
+class WeightSchedule:
+    """The sources' weights as a function of the global step.
+
+    Args:
+        weights: one weight per source (constant); or ``(step, weights)`` breakpoints, the
+            first at step 0, each holding until the next; or a callable ``step -> weights``,
+            which must be a pure function of the step (it is called again on resume).
+        num_sources: how many weights each step has.
+    """
+
+    def __init__(self, weights: Any, num_sources: int) -> None:
+        self.num_sources = num_sources
+        self._fn: Callable[[int], Weights] | None = None
+        if callable(weights):
+            self._fn = weights
+            self.steps = np.zeros(0, dtype=np.int64)
+            self.table: list[np.ndarray] = []
+            self.fingerprint = f"callable {getattr(weights, '__qualname__', type(weights))}"
+            return
+        steps, table = _breakpoints(weights, num_sources)
+        self.steps, self.table = steps, table
+        self.fingerprint = f"steps {digest(steps)} weights {digest(np.stack(table))}"
+
+    @property
+    def constant(self) -> bool:
+        return self._fn is None and len(self.table) == 1
+
+    def keys(self, steps: np.ndarray) -> np.ndarray:
+        """A key per step; steps with equal keys have equal weights."""
+        if self._fn is not None:
+            return steps
+        return np.searchsorted(self.steps, steps, side="right") - 1
+
+    def weights(self, key: int) -> np.ndarray:
+        """The weights of a key returned by ``keys``."""
+        if self._fn is None:
+            return self.table[key]
+        return _checked(self._fn(key), self.num_sources, f"weights({key})")
+
+
+def _breakpoints(weights: Any, num_sources: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """``(steps, weights per segment)`` of constant weights or ``(step, weights)`` pairs."""
+    items = list(weights)
+    pairs = items and all(isinstance(item, tuple | list) and len(item) == 2
+                          and not np.isscalar(item[1]) for item in items)
+    if not pairs:
+        return np.zeros(1, dtype=np.int64), [_checked(items, num_sources, "weights")]
+    steps = [item[0] for item in items]
+    if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in steps) or \
+            steps[0] != 0 or any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
+        raise ValueError(f"a weight schedule's steps must be increasing ints from 0, got {steps}: "
+                         "give [(0, weights), (step, weights), ...]")
+    table = [_checked(w, num_sources, f"weights at step {s}") for s, w in items]
+    return np.asarray(steps, dtype=np.int64), table
+
+
+def _checked(weights: Weights, num_sources: int, what: str) -> np.ndarray:
+    try:
+        return check_weights(weights, num_sources)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc} (one weight per source, {num_sources} sources)") from None
+
+
+class MixOrder:
+    """``SampleOrder`` of a mixture: position -> (source, sample of it) -> index into the
+    sources laid end to end (source ``k``'s sample ``i`` is index ``offsets[k] + i``).
+
+    Args:
+        lengths: samples per source.
+        schedule: the weights per global step.
+        mode: ``"cycle"``, ``"replacement"`` or ``"stop"`` (see the module docstring).
+        samples_per_epoch: positions per epoch for ``"cycle"``/``"replacement"`` (default: the
+            total of ``lengths``); fixed by the weights for ``"stop"``.
+        batch_size: samples per global step (per-rank batch size x world size), needed to
+            place weight changes at steps; ``None`` allows only constant weights.
+        seed: keys every draw; ``None`` takes the loader's seed (``bind``).
+    """
+
+    def __init__(self, lengths: Sequence[int], schedule: WeightSchedule, mode: MixMode,
+                 samples_per_epoch: int | None, batch_size: int | None,
+                 seed: int | None) -> None:
+        if mode not in MIX_MODES:
+            raise ValueError(f"mode must be one of {MIX_MODES}, got {mode!r}")
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        if self.lengths.size < 1 or (self.lengths < 1).any():
+            raise ValueError(f"every source needs at least one sample, got lengths "
+                             f"{self.lengths.tolist()}")
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
+        self.schedule, self.mode, self.seed = schedule, mode, seed
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"batch_size must be an int >= 1 (samples per global step), got "
+                             f"{batch_size!r}")
+        if batch_size is None and not schedule.constant:
+            raise ValueError("weights that change with the step need batch_size= (samples per "
+                             "global step: the per-rank batch size x the world size), which "
+                             "maps a position to its step")
+        self.batch_size = batch_size
+        if mode == "stop":
+            if not schedule.constant:
+                raise ValueError("mode='stop' needs constant weights: the epoch is a shuffle of "
+                                 "fixed per-source counts, which a weight change would alter; "
+                                 "use mode='cycle' or 'replacement' with a schedule")
+            if samples_per_epoch is not None:
+                raise ValueError("mode='stop' fixes the epoch length (it ends when the first "
+                                 "source runs out); drop samples_per_epoch, or use 'cycle'")
+            self._quota = _stop_quota(schedule.weights(0), self.lengths)
+            self.samples_per_epoch = int(self._quota.sum())
+        else:
+            total = int(self.lengths.sum())
+            self.samples_per_epoch = total if samples_per_epoch is None else samples_per_epoch
+            if not isinstance(self.samples_per_epoch, int) or self.samples_per_epoch < 1:
+                raise ValueError(f"samples_per_epoch must be an int >= 1, got "
+                                 f"{samples_per_epoch!r}")
+        self.version = 0
+        self._overrides: list[tuple[int, np.ndarray]] = []
+        # Memos: draw counts at chunk starts of one epoch, and the last chunk's sample ranks.
+        self._counts: tuple[int, list[np.ndarray]] | None = None
+        self._ranks: tuple[int, int, np.ndarray] | None = None
+
+    def bind(self, seed: int) -> MixOrder:
+        """Take the loader's seed unless one was given."""
+        if self.seed is None:
+            self.seed = seed
+        return self
+
+    # -- SampleOrder ------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.samples_per_epoch
+
+    @property
+    def fingerprint(self) -> str:
+        return (f"mix(lengths={digest(self.lengths.tolist())}, mode={self.mode}, "
+                f"samples_per_epoch={self.samples_per_epoch}, batch_size={self.batch_size}, "
+                f"{self.schedule.fingerprint})")
+
+    def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """Indices into the sources laid end to end, at ``positions`` of ``epoch``."""
+        source, sample = self.locate(epoch, positions)
+        return self.offsets[source] + sample
+
+    def locate(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(source, sample of that source)`` at each of ``positions`` of ``epoch``."""
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if pos.size and (pos.min() < 0 or pos.max() >= self.samples_per_epoch):
+            raise IndexError(f"positions must lie in [0, {self.samples_per_epoch})")
+        if self.mode == "stop":
+            return self._stop(epoch, pos)
+        source = self.sources(epoch, pos)
+        if self.mode == "replacement":
+            bits = mix64_array(mix64(self._seed, epoch, _PICK), pos.astype(np.uint64))
+            return source, (bits % self.lengths[source].astype(np.uint64)).astype(np.int64)
+        return source, self._cycled(epoch, source, self._draw_counts(epoch, pos))
+
+    def sources(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """The source drawn at each position (``source_at`` under each step's weights)."""
+        pos = np.asarray(positions, dtype=np.int64)
+        keys = self._keys(self.steps(epoch, pos))
+        out = np.empty_like(pos)
+        key = mix64(self._seed, epoch, _SOURCE)
+        for k in np.unique(keys):
+            mask = keys == k
+            weights = self.weights_for_key(int(k))
+            out[mask] = weighted_draws(np.cumsum(weights), int(np.flatnonzero(weights)[-1]), key,
+                                       pos[mask])
+        return out
+
+    def steps(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """The global step of each position (0 everywhere without ``batch_size``)."""
+        if self.batch_size is None:
+            return np.zeros_like(positions)
+        per_epoch = -(-self.samples_per_epoch // self.batch_size)
+        return epoch * per_epoch + positions // self.batch_size
+
+    # -- weights ----------------------------------------------------------------------------
+
+    def weights_at(self, step: int) -> np.ndarray:
+        """The weights in force at global ``step``."""
+        return self.weights_for_key(int(self._keys(np.array([step]))[0]))
+
+    def weights_for_key(self, key: int) -> np.ndarray:
+        if key < 0:
+            return self._overrides[-1 - key][1]
+        return self.schedule.weights(key)
+
+    def set_weights(self, weights: Weights, step: int) -> None:
+        """Use ``weights`` from global ``step`` on, replacing the schedule from there.
+
+        Call it at the same step on every rank with the same weights (checked when a process
+        group is initialised), with ``step`` no earlier than the next batch to be planned (in a
+        Lightning callback: ``trainer.global_step``) and no earlier than the last change.
+        """
+        if self.mode == "stop":
+            raise ValueError("mode='stop' needs constant weights (see MixOrder); use "
+                             "mode='cycle' or 'replacement' to change weights mid-run")
+        if self.batch_size is None:
+            raise ValueError("set_weights needs the mixture's batch_size= (samples per global "
+                             "step) to place the change at a step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be an int >= 0 (the global step the weights apply "
+                             f"from), got {step!r}")
+        if self._overrides and step < self._overrides[-1][0]:
+            raise ValueError(f"set_weights at step {step} is earlier than the last change (step "
+                             f"{self._overrides[-1][0]}): weight changes must be in step order")
+        new = _checked(weights, self.lengths.size, "set_weights")
+        check_same_on_every_rank(new)
+        overrides = [o for o in self._overrides if o[0] < step]
+        self._use(overrides + [(step, new)])
+
+    def _keys(self, steps: np.ndarray) -> np.ndarray:
+        """Schedule keys (>= 0) of steps before the first change, ``-1 - i`` after change i."""
+        keys = self.schedule.keys(steps)
+        if self._overrides:
+            starts = np.array([s for s, _ in self._overrides], dtype=np.int64)
+            change = np.searchsorted(starts, steps, side="right") - 1
+            keys = np.where(change >= 0, -1 - change, keys)
+        return keys
+
+    def _use(self, overrides: list[tuple[int, np.ndarray]]) -> None:
+        self._overrides = overrides
+        self._counts = self._ranks = None
+        self.version += 1
+
+    # -- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The weight changes made with ``set_weights``, as ``[step, weights]`` pairs."""
+        return {"changes": [[step, weights.tolist()] for step, weights in self._overrides]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        changes = state.get("changes", [])
+        self._use([(int(step), _checked(weights, self.lengths.size, f"change at step {step}"))
+                   for step, weights in changes])
+
+    # -- the modes --------------------------------------------------------------------------
+
+    @property
+    def _seed(self) -> int:
+        return 0 if self.seed is None else self.seed
+
+    def _stop(self, epoch: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        slot = KeyedPermutation(self.samples_per_epoch, mix64(self._seed, epoch, _STOP))[pos]
+        ends = np.cumsum(self._quota)
+        source = np.searchsorted(ends, slot, side="right").astype(np.int64)
+        rank = slot - (ends[source] - self._quota[source])
+        sample = np.empty_like(rank)
+        for k in np.unique(source):
+            mask = source == k
+            perm = KeyedPermutation(int(self.lengths[k]), mix64(self._seed, epoch, _STOP_SOURCE,
+                                                                int(k)))
+            sample[mask] = perm[rank[mask]]
+        return source, sample
+
+    def _cycled(self, epoch: int, source: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Sample ``counts % n_k`` of pass ``counts // n_k`` of source ``k``'s stream."""
+        passes, offsets = np.divmod(counts, self.lengths[source])
+        sample = np.empty_like(counts)
+        for k in np.unique(source).tolist():
+            mask = source == k
+            sample[mask] = self._passes(epoch, k, passes[mask], offsets[mask])
+        return sample
+
+    def _passes(self, epoch: int, k: int, passes: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """Element ``offsets`` of the permutations ``passes`` of source ``k``: a small source's
+        permutations are sorted hashes (all passes at once), a large one's keyed bijections."""
+        n = int(self.lengths[k])
+        unique, row = np.unique(passes, return_inverse=True)
+        if n <= _SMALL_SOURCE:
+            values = (unique[:, None] * n + np.arange(n)).astype(np.uint64)
+            perms = np.argsort(mix64_array(mix64(self._seed, epoch, _PASS, k), values), axis=1,
+                               kind="stable")
+            return perms[row.ravel(), offsets]
+        out = np.empty_like(offsets)
+        for i, p in enumerate(unique.tolist()):
+            mask = row.ravel() == i
+            out[mask] = KeyedPermutation(n, mix64(self._seed, epoch, _PASS, k, p))[offsets[mask]]
+        return out
+
+    def _draw_counts(self, epoch: int, pos: np.ndarray) -> np.ndarray:
+        """For each position, how many earlier positions of the epoch drew its source."""
+        out = np.empty_like(pos)
+        chunks = pos >> _CHUNK_BITS
+        for chunk in np.unique(chunks):
+            mask = chunks == chunk
+            ranks = self._chunk_ranks(epoch, int(chunk))
+            out[mask] = ranks[pos[mask] - (int(chunk) << _CHUNK_BITS)]
+        return out
+
+    def _chunk_ranks(self, epoch: int, chunk: int) -> np.ndarray:
+        """Draw counts at every position of ``chunk`` (the last chunk computed is kept)."""
+        memo = self._ranks
+        if memo is not None and memo[0] == epoch and memo[1] == chunk:
+            return memo[2]
+        base = self._chunk_start_counts(epoch, chunk)
+        source = self._chunk_sources(epoch, chunk)
+        order = np.argsort(source, kind="stable")
+        group_start = np.searchsorted(source[order], source[order], side="left")
+        ranks = np.empty_like(source)
+        ranks[order] = np.arange(source.size) - group_start
+        ranks += base[source]
+        self._ranks = (epoch, chunk, ranks)
+        return ranks
+
+    def _chunk_start_counts(self, epoch: int, chunk: int) -> np.ndarray:
+        """Draws per source before ``chunk``, from the checkpoints of earlier chunks."""
+        memo = self._counts
+        if memo is not None and memo[0] == epoch and len(memo[1]) > chunk:
+            return memo[1][chunk]
+        # Extended on a copy and replaced by one assignment: a concurrent caller never sees a
+        # list being extended.
+        checkpoints = list(memo[1]) if memo is not None and memo[0] == epoch else [
+            np.zeros(self.lengths.size, dtype=np.int64)]
+        while len(checkpoints) <= chunk:
+            done = len(checkpoints) - 1
+            drawn = np.bincount(self._chunk_sources(epoch, done), minlength=self.lengths.size)
+            checkpoints.append(checkpoints[-1] + drawn)
+        self._counts = (epoch, checkpoints)
+        return checkpoints[chunk]
+
+    def _chunk_sources(self, epoch: int, chunk: int) -> np.ndarray:
+        start = chunk << _CHUNK_BITS
+        stop = min(start + _CHUNK, self.samples_per_epoch)
+        return self.sources(epoch, np.arange(start, stop, dtype=np.int64))
+
+
+def _stop_quota(weights: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Per-source counts proportional to ``weights`` (largest remainders) for the longest epoch
+    that reads no source past its end."""
+    share = weights / weights.sum()
+    drawn = share > 0
+    total = int(min(math.floor(n / s + 1e-9) for n, s in zip(lengths[drawn], share[drawn],
+                                                              strict=True)))
+    exact = share * total
+    quota = np.floor(exact).astype(np.int64)
+    remainder = exact - quota
+    for k in np.argsort(-remainder, kind="stable")[: total - int(quota.sum())]:
+        quota[k] += 1
+    return np.minimum(quota, lengths)

@@ -1,0 +1,152 @@
+"""``Mix`` under ``ResumableLoader``: three real sources (map-style, Parquet through
+``ParquetSource``, a Hugging Face ``datasets.Dataset``), every exhaustion mode, resume from every
+step with and without workers, weight changes mid-epoch, and elastic resume across world sizes."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_loaders import Mix, ResumableLoader, make_resumable
+from lightning_loaders.sources.shards import GeneratorSource, RecordFiles, write_records
+from lightning_loaders.testing import check_resume_at_every_step, run_epochs
+from tests.mix_sources import SIZES, key, three_source_mix, write_sources
+from tests.orders.test_mix import proportions_match
+
+pytest.importorskip("datasets")
+pytest.importorskip("pyarrow")
+
+
+def loader(root: Path, num_workers: int = 0, **kwargs) -> ResumableLoader:
+    options = {"samples_per_epoch": 26, **kwargs}
+    return ResumableLoader(three_source_mix(root, **options), batch_size=4, seed=3,
+                           num_workers=num_workers)
+
+
+def test_indices_reach_every_source_and_batches_keep_their_order(tmp_path: Path) -> None:
+    mix = three_source_mix(tmp_path)
+    assert len(mix) == sum(SIZES)
+    assert mix[0]["index"] == 0 and mix[12]["index"] == 1000 and mix[42]["index"] == 2000
+    assert mix.source_of(41) == (1, 29)
+    picked = [45, 3, 13, 20, 44, 12]
+    assert [s["index"] for s in mix.__getitems__(picked)] == [2003, 3, 1001, 1008, 2002, 1000]
+    with pytest.raises(IndexError):
+        mix.source_of(62)
+    copy = pickle.loads(pickle.dumps(mix))
+    assert copy[13] == mix[13]
+    with pytest.raises(RuntimeError, match="no order"):
+        _ = copy.order
+
+
+def test_a_record_file_source_is_read_by_random_access(tmp_path: Path) -> None:
+    path = tmp_path / "a.rec"
+    write_records(path, [bytes([i]) for i in range(9)])
+    mix = Mix([RecordFiles([path], lengths="scan"), torch.arange(5)], [1, 1])
+    assert [mix[i] for i in (0, 4, 8)] == [b"\x00", b"\x04", b"\x08"] and int(mix[9]) == 0
+
+
+def test_sources_without_random_access_are_refused(tmp_path: Path) -> None:
+    unknown = GeneratorSource(lambda shard: iter(range(3)), shards=[0, 1])
+    with pytest.raises(TypeError, match="does not know its shard lengths"):
+        Mix([unknown, torch.arange(3)], [1, 1])
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(3))
+
+    with pytest.raises(TypeError, match="not indexable"):
+        Mix([Stream(), torch.arange(3)], [1, 1])
+    with pytest.raises(ValueError, match="source 1 .* is empty"):
+        Mix([torch.arange(3), []], [1, 1])
+
+
+@pytest.mark.parametrize(("mode", "expected_len"), [("cycle", 7), ("replacement", 7), ("stop", 9)])
+def test_each_mode_defines_the_epoch_length(tmp_path: Path, mode: str, expected_len: int) -> None:
+    kwargs = {"samples_per_epoch": 26} if mode != "stop" else {
+        "weights": [1, 1, 1], "batch_size": None, "samples_per_epoch": None}
+    made = loader(tmp_path, mode=mode, **kwargs)
+    assert len(made) == expected_len
+    epochs = run_epochs(made, range(2), key=key)
+    assert [len(e) for e in epochs] == [expected_len] * 2
+    ids = [i for batch in epochs[0] for i in batch]
+    if mode == "stop":  # 12 of each source (the map-style one runs out), none twice
+        assert len(ids) == 36 and len(set(ids)) == 36
+        assert sorted(i for i in ids if i < 1000) == list(range(12))
+    else:
+        assert len(ids) == 26
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_from_every_step_is_exact(tmp_path: Path, num_workers: int) -> None:
+    check_resume_at_every_step(lambda: loader(tmp_path, num_workers), epochs=2, key=key)
+
+
+def test_a_sampler_or_shuffle_is_refused_but_make_resumable_works(tmp_path: Path) -> None:
+    mix = three_source_mix(tmp_path, samples_per_epoch=26)
+    with pytest.raises(ValueError, match="decides its own order"):
+        ResumableLoader(mix, batch_size=4, shuffle=True)
+    with pytest.raises(ValueError, match="decides its own order"):
+        ResumableLoader(mix, batch_size=4, sampler=torch.utils.data.RandomSampler(mix))
+    converted = make_resumable(DataLoader(mix, batch_size=4), seed=3)
+    assert run_epochs(converted, [0], key=key) == run_epochs(loader(tmp_path), [0], key=key)
+
+
+def test_set_weights_mid_epoch_applies_from_the_next_batch_and_resumes(tmp_path: Path) -> None:
+    def run(change_at: int | None, snapshot_at: int | None = None, state=None):
+        made = loader(tmp_path, num_workers=2, samples_per_epoch=80)
+        if state is not None:
+            made.load_state_dict(state)
+        mix = made.dataset
+        out, saved = [], None
+        for batch in made:
+            out.append(key(batch))
+            step = len(out) + (0 if state is None else state["batches"])
+            if step == change_at:
+                mix.set_weights([0, 0, 1], step=step)
+            if step == snapshot_at:
+                saved = made.state_dict()
+        return out, saved
+
+    plain, _ = run(None)
+    changed, saved = run(6, snapshot_at=8)
+    assert changed[:6] == plain[:6], "batches before the change are unchanged"
+    assert changed[6:] != plain[6:]
+    assert all(i >= 2000 for batch in changed[6:] for i in batch), "prefetched batches re-planned"
+    resumed, _ = run(None, state=saved)
+    assert resumed == changed[8:]
+
+
+def test_a_two_rank_state_resumes_on_one_rank_exactly(tmp_path: Path) -> None:
+    def made(rank: int, world_size: int, batch_size: int) -> ResumableLoader:
+        mix = three_source_mix(tmp_path, samples_per_epoch=48, batch_size=8)
+        return ResumableLoader(mix, batch_size=batch_size, seed=3, rank=rank,
+                               world_size=world_size)
+
+    single = [i for batch in run_epochs(made(0, 1, 8), [0], key=key)[0] for i in batch]
+    ranks = [made(r, 2, 4) for r in range(2)]
+    iterators = [iter(r) for r in ranks]
+    taken = []
+    for _ in range(2):  # two global batches on two ranks
+        for it in iterators:
+            taken += key(next(it))
+    assert taken == single[:16], "the ranks read the single-process stream, slice by slice"
+    resumed = made(0, 1, 4)
+    resumed.load_state_dict(ranks[0].state_dict())
+    rest = [i for batch in resumed for i in key(batch)]
+    assert rest == single[16:]
+
+
+def test_realised_proportions_follow_the_schedule(tmp_path: Path) -> None:
+    schedule = [(0, [0.6, 0.3, 0.1]), (40, [0.1, 0.3, 0.6])]
+    made = ResumableLoader(Mix(write_sources(tmp_path), schedule, batch_size=16,
+                               samples_per_epoch=16 * 80), batch_size=16, seed=11)
+    batches = run_epochs(made, [0], key=lambda b: b["source"].tolist())[0]
+    sources = np.array(batches)
+    assert proportions_match(sources[:40].ravel(), schedule[0][1])
+    assert proportions_match(sources[40:].ravel(), schedule[1][1])
+    assert not proportions_match(sources[40:].ravel(), schedule[0][1])
