@@ -231,13 +231,15 @@ class ExactResume(Callback):
         self._trainer = weakref.ref(trainer)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Let the next epoch start as usual after a restart at an epoch's last batch, and
-        run the validation pending in the checkpoint as the epoch loop runs it."""
+        """Let the next epoch start as usual after a restart at an epoch's last batch (also
+        on another world size, where that epoch had fewer or more batches per rank), and run
+        the validation pending in the checkpoint as the epoch loop runs it."""
         fit_loop = trainer.fit_loop
         epoch_loop = fit_loop.epoch_loop
         if (fit_loop.restarted_mid_epoch and epoch_loop.restarted_on_train_batch_end
                 and epoch_loop.batch_progress.is_last_batch):
             fit_loop.reset_restart_stage()
+            _finish_epoch_counts(epoch_loop.batch_progress, trainer.num_training_batches)
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -321,6 +323,18 @@ class ExactResume(Callback):
             states[j] = loaders[j].state_dict()  # its cursor is where the pass stands
             return _Pending(dataloader_idx=j, batch_idx=k, origin=origin), states
         return _Pending(dataloader_idx=j, batch_idx=k, replay=k, origin=origin), states
+
+
+def _finish_epoch_counts(progress: Any, num_batches: float) -> None:
+    """Make the restored batch counts of a finished epoch read as finished under this run's
+    ``num_training_batches``: the epoch loop's reset (``training_epoch_loop.py:203-209``)
+    zeroes them only when the completed count reaches it, and after an elastic resume the
+    epoch's batch count per rank differs (a 2-rank epoch of 4 batches is 8 on one rank), so
+    the next epoch would start counted 4 batches in and stop half-way."""
+    current = progress.current
+    if num_batches != float("inf") and current.completed + 1 != num_batches:
+        current.ready = current.started = current.processed = int(num_batches)
+        current.completed = int(num_batches) - 1
 
 
 def _state(epoch: int, pending: _Pending | None, loaders: list[Any] | None) -> dict[str, Any]:
