@@ -23,11 +23,15 @@ each position of an epoch (``MixOrder``), as a pure function of the configuratio
   sources allow, so the source that runs out first is read entirely and no sample is read twice.
   The positions are a keyed shuffle of that multiset. Weights must then be constant.
 
-The draw counts of ``"cycle"`` are the only non-local quantity: they are recomputed from the
-draws (vectorised, a chunk of ``2**16`` positions at a time, checkpointed per chunk), so the
-state stays O(number of weight changes), never O(epoch), and a resume costs one O(position)
-recount. Weight changes made mid-run (``set_weights(weights, step)``) are breakpoints kept in
-the state; they bump ``version`` so that a loader re-plans what it had prefetched.
+The draw counts of ``"cycle"`` are the only non-local quantity: they are counted from the
+draws (vectorised, a chunk of ``2**16`` positions at a time) and checkpointed at chunk starts.
+Counts at one chunk start give those at any other by counting the chunks between them, forwards
+or backwards, so the state carries the counts at the latest chunk start planned in each of the
+last two epochs (O(number of sources)), and a resume is a jump: it counts only the chunks
+between that checkpoint and the cursor (the prefetch depth), never the epoch up to the cursor.
+Weight changes made mid-run (``set_weights(weights, step)``) are breakpoints kept in the state;
+they bump ``version`` so that a loader re-plans what it had prefetched, and drop the
+checkpoints that counted draws at or after their step.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.hashing import digest, mix64, mix64_array
 from lightning_loaders.orders.dynamic_weighted import check_same_on_every_rank
 from lightning_loaders.orders.permutation import KeyedPermutation
@@ -53,6 +58,7 @@ _SOURCE, _PICK, _PASS, _STOP, _STOP_SOURCE = 0x313, 0x314, 0x315, 0x316, 0x317
 _CHUNK_BITS = 16
 _CHUNK = 1 << _CHUNK_BITS
 _SMALL_SOURCE = 4096  # sources up to this size are permuted by sorting hashes
+_EPOCHS_KEPT = 2  # epochs whose checkpoints are kept (a prefetch, or rollover, spans two)
 
 Weights = Any  # a sequence (or array, tensor) of one non-negative weight per source
 
@@ -180,8 +186,9 @@ class MixOrder:
                                  f"{samples_per_epoch!r}")
         self.version = 0
         self._overrides: list[tuple[int, np.ndarray]] = []
-        # Memos: draw counts at chunk starts of one epoch, and the last chunk's sample ranks.
-        self._counts: tuple[int, list[np.ndarray]] | None = None
+        # Memos: draw counts per source at chunk starts ({epoch: {chunk: counts}}, the epochs
+        # last counted in), and the last chunk's draw counts at every position.
+        self._checkpoints: dict[int, dict[int, np.ndarray]] = {}
         self._ranks: tuple[int, int, np.ndarray] | None = None
 
     def bind(self, seed: int) -> MixOrder:
@@ -272,7 +279,7 @@ class MixOrder:
         new = _checked(weights, self.lengths.size, "set_weights")
         check_same_on_every_rank(new)
         overrides = [o for o in self._overrides if o[0] < step]
-        self._use(overrides + [(step, new)])
+        self._use(overrides + [(step, new)], step)
 
     def _keys(self, steps: np.ndarray) -> np.ndarray:
         """Schedule keys (>= 0) of steps before the first change, ``-1 - i`` after change i."""
@@ -283,21 +290,73 @@ class MixOrder:
             keys = np.where(change >= 0, -1 - change, keys)
         return keys
 
-    def _use(self, overrides: list[tuple[int, np.ndarray]]) -> None:
+    def _use(self, overrides: list[tuple[int, np.ndarray]], step: int = 0) -> None:
+        """Draw with ``overrides``, which change the weights from global ``step`` on: the
+        memos that counted a draw at or after ``step`` are dropped."""
         self._overrides = overrides
-        self._counts = self._ranks = None
+        kept: dict[int, dict[int, np.ndarray]] = {}
+        for epoch, table in self._checkpoints.items():
+            first = self._first_position(epoch, step)
+            kept[epoch] = {c: v for c, v in table.items() if c << _CHUNK_BITS <= first}
+        ranks = self._ranks
+        if ranks is not None and min((ranks[1] + 1) << _CHUNK_BITS, self.samples_per_epoch) > \
+                self._first_position(ranks[0], step):
+            ranks = None
+        self._checkpoints, self._ranks = kept, ranks
         self.version += 1
+
+    def _first_position(self, epoch: int, step: int) -> int:
+        """The first position of ``epoch`` at global ``step`` or later."""
+        if self.batch_size is None:
+            return 0
+        per_epoch = -(-self.samples_per_epoch // self.batch_size)
+        return max(0, (step - epoch * per_epoch) * self.batch_size)
 
     # -- state ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The weight changes made with ``set_weights``, as ``[step, weights]`` pairs."""
-        return {"changes": [[step, weights.tolist()] for step, weights in self._overrides]}
+        """The weight changes made with ``set_weights``, as ``[step, weights]`` pairs, and
+        (``"cycle"``) the draws per source before the latest chunk start counted in each kept
+        epoch, as ``[epoch, chunk, counts]``: a resume counts on from there."""
+        state: dict[str, Any] = {
+            "changes": [[step, weights.tolist()] for step, weights in self._overrides]}
+        counts = [[epoch, max(table), table[max(table)].tolist()]
+                  for epoch, table in self._checkpoints.items() if max(table, default=0) > 0]
+        if counts:
+            state["counts"] = counts
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the weight changes, and seed the draw counts with the saved checkpoints
+        (checked for shape; a wrong count would fail the loader's audit of the resumed batch)."""
         changes = state.get("changes", [])
+        seeds = [self._checked_counts(entry) for entry in state.get("counts", [])]
         self._use([(int(step), _checked(weights, self.lengths.size, f"change at step {step}"))
                    for step, weights in changes])
+        self._checkpoints, self._ranks = {}, None
+        if self.mode == "cycle":
+            for epoch, chunk, counts in seeds[-_EPOCHS_KEPT:]:
+                self._checkpoints[epoch] = {0: np.zeros_like(counts), chunk: counts}
+
+    def _checked_counts(self, entry: Any) -> tuple[int, int, np.ndarray]:
+        """A saved ``[epoch, chunk, counts]`` checkpoint, or a ``StateMismatchError``."""
+        try:
+            epoch, chunk, counts = entry
+            array = np.asarray(counts, dtype=np.int64)
+        except (TypeError, ValueError):
+            epoch = chunk = None
+            array = np.zeros(0, dtype=np.int64)
+        if not (isinstance(epoch, int) and epoch >= 0 and isinstance(chunk, int)
+                and 0 < chunk << _CHUNK_BITS < self.samples_per_epoch
+                and array.shape == self.lengths.shape and (array >= 0).all()
+                and int(array.sum()) == chunk << _CHUNK_BITS):
+            raise StateMismatchError(
+                f"corrupted mixture state: draw counts {entry!r} are not [epoch, chunk, counts] "
+                f"with one count per source ({self.lengths.size}) summing to the chunk's start "
+                f"(chunk * {_CHUNK}) inside the epoch ({self.samples_per_epoch} samples); save "
+                "the state again, or drop its 'counts' (the resume then counts from the epoch "
+                "start)")
+        return epoch, chunk, array
 
     # -- the modes --------------------------------------------------------------------------
 
@@ -369,20 +428,24 @@ class MixOrder:
         return ranks
 
     def _chunk_start_counts(self, epoch: int, chunk: int) -> np.ndarray:
-        """Draws per source before ``chunk``, from the checkpoints of earlier chunks."""
-        memo = self._counts
-        if memo is not None and memo[0] == epoch and len(memo[1]) > chunk:
-            return memo[1][chunk]
-        # Extended on a copy and replaced by one assignment: a concurrent caller never sees a
-        # list being extended.
-        checkpoints = list(memo[1]) if memo is not None and memo[0] == epoch else [
-            np.zeros(self.lengths.size, dtype=np.int64)]
-        while len(checkpoints) <= chunk:
-            done = len(checkpoints) - 1
-            drawn = np.bincount(self._chunk_sources(epoch, done), minlength=self.lengths.size)
-            checkpoints.append(checkpoints[-1] + drawn)
-        self._counts = (epoch, checkpoints)
-        return checkpoints[chunk]
+        """Draws per source before ``chunk``, counted from the nearest checkpoint (the epoch's
+        start, or one saved in a state), forwards or backwards."""
+        memos = self._checkpoints
+        known = memos.get(epoch)
+        if known is not None and chunk in known:
+            return known[chunk]
+        # Extended on copies and replaced by one assignment: a concurrent caller never sees a
+        # table being extended.
+        table = dict(known or {0: np.zeros(self.lengths.size, dtype=np.int64)})
+        nearest = min(table, key=lambda c: (abs(c - chunk), c))
+        step = 1 if nearest < chunk else -1
+        for done in range(nearest, chunk, step):
+            drawn = np.bincount(self._chunk_sources(epoch, min(done, done + step)),
+                                minlength=self.lengths.size)
+            table[done + step] = table[done] + step * drawn
+        others = [(e, t) for e, t in memos.items() if e != epoch][1 - _EPOCHS_KEPT:]
+        self._checkpoints = {**dict(others), epoch: table}
+        return table[chunk]
 
     def _chunk_sources(self, epoch: int, chunk: int) -> np.ndarray:
         start = chunk << _CHUNK_BITS

@@ -3,11 +3,13 @@ weights at its step); each source's samples follow its own cursor; the exhaustio
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import numpy as np
 import pytest
 
+from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.orders.mix import MixOrder, WeightSchedule, source_at
 
 # Upper 0.1% points of the chi-square distribution, by degrees of freedom (tables; scipy is not
@@ -187,3 +189,85 @@ def test_a_large_source_is_cycled_through_keyed_permutations() -> None:
     stream = sample[source == 0]
     assert sorted(stream[:5000]) == list(range(5000))
     assert len(set(stream[5000:].tolist())) == len(stream) - 5000, "the next pass repeats none"
+
+
+CHUNK = 1 << 16  # positions per chunk of draw counts (``lightning_loaders.orders.mix``)
+
+
+def counting(order: MixOrder) -> list[int]:
+    """Record how many positions' sources ``order`` draws (hashes) from now on."""
+    drawn: list[int] = []
+    sources = order.sources
+
+    def counted(epoch: int, positions: np.ndarray) -> np.ndarray:
+        drawn.append(np.asarray(positions).size)
+        return sources(epoch, positions)
+
+    order.sources = counted  # type: ignore[method-assign]
+    return drawn
+
+
+def test_checkpointing_keeps_the_stream_of_a_fixed_config_byte_identical() -> None:
+    # the digest of three epochs computed by the order before draw counts were checkpointed
+    # in the state and counted backwards
+    order = MixOrder([7, 300, 5000], WeightSchedule(SCHEDULE[:1] + [(100, [0.2, 0.3, 0.5])], 3),
+                     "cycle", 300_000, 512, 11)
+    order.set_weights([0.5, 0.1, 0.4], step=900)  # in epoch 1 (586 steps per epoch)
+    epochs = [order.indices(epoch, np.arange(300_000)) for epoch in range(3)]
+    assert hashlib.sha256(b"".join(e.tobytes() for e in epochs)).hexdigest() == \
+        "7cf489a3157042c6ad9b30688eb58d381d5310668c4a8b113bcccec6a3f1e6f6"
+    resumed = make(lengths=(7, 300, 5000), samples_per_epoch=300_000, batch_size=512, seed=11,
+                   weights=SCHEDULE[:1] + [(100, [0.2, 0.3, 0.5])])
+    resumed.load_state_dict(order.state_dict())
+    backwards = np.arange(300_000)[::-1][::997]  # chunk by chunk from the epoch's end
+    for epoch in (1, 0, 2):
+        assert np.array_equal(resumed.indices(epoch, backwards), epochs[epoch][backwards])
+
+
+@pytest.mark.parametrize("chunk", [12, 30])
+def test_a_resume_counts_from_the_saved_checkpoint_whatever_the_position(chunk: int) -> None:
+    options: dict[str, Any] = {"lengths": (3, 10, 4000), "samples_per_epoch": 32 * CHUNK,
+                               "batch_size": 256}
+    planner = make(**options)
+    planned = chunk * CHUNK + 500  # the main process planned (prefetched) up to here
+    expected = planner.indices(0, np.arange(planned - 3000, planned))
+    state = planner.state_dict()
+    assert state["counts"][-1][:2] == [0, chunk] and len(state["counts"]) == 1
+    resumed = make(**options)
+    drawn = counting(resumed)
+    resumed.load_state_dict(state)
+    # the cursor lies behind the plan (a prefetch), in the previous chunk
+    assert np.array_equal(resumed.indices(0, np.arange(planned - 3000, planned)), expected)
+    # the positions asked for, then one chunk counted backwards and two ranked: not the epoch
+    assert drawn == [3000, CHUNK, CHUNK, CHUNK]
+
+
+def test_saved_counts_of_other_epochs_and_after_a_weight_change_stay_exact() -> None:
+    options: dict[str, Any] = {"lengths": (3, 10, 4000), "samples_per_epoch": 5 * CHUNK,
+                               "batch_size": 256}
+    planner, reference = make(**options), make(**options)
+    planner.indices(0, np.arange(4 * CHUNK, 4 * CHUNK + 10))
+    planner.indices(1, np.arange(2 * CHUNK, 2 * CHUNK + 10))
+    state = planner.state_dict()
+    assert [entry[:2] for entry in state["counts"]] == [[0, 4], [1, 2]]
+    resumed = make(**options)
+    resumed.load_state_dict(state)
+    everything = np.arange(5 * CHUNK)
+    for epoch in (2, 1, 0):
+        assert np.array_equal(resumed.indices(epoch, everything),
+                              reference.indices(epoch, everything))
+    # a change at step 768 (position 196608 = chunk 3) of epoch 1 drops the checkpoints past it
+    for order in (resumed, reference):
+        order.set_weights([0, 1, 0], step=1280 + 768)
+    for epoch in (1, 0):
+        assert np.array_equal(resumed.indices(epoch, everything),
+                              reference.indices(epoch, everything))
+
+
+@pytest.mark.parametrize("counts", [[[0, 2, [1, 2, 3]]], [[0, 2, [CHUNK, CHUNK]]],
+                                    [[0, 9, [0, 0, 9 * CHUNK]]], [[-1, 1, [0, 0, CHUNK]]],
+                                    [[0, 1, ["a", 0, 0]]], [[0, 1]]])
+def test_corrupted_saved_counts_are_refused(counts: list[Any]) -> None:
+    order = make(lengths=(3, 10, 4000), samples_per_epoch=5 * CHUNK)
+    with pytest.raises(StateMismatchError, match="corrupted mixture state"):
+        order.load_state_dict({"changes": [], "counts": counts})

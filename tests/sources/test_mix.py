@@ -10,13 +10,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from lightning_loaders import Mix, ResumableLoader, make_resumable
+from lightning_loaders import Mix, ResumableLoader, StateMismatchError, make_resumable
 from lightning_loaders.sources.shards import GeneratorSource, RecordFiles, write_records
-from lightning_loaders.testing import check_resume_at_every_step, run_epochs
+from lightning_loaders.testing import (
+    check_resume_at_every_step,
+    checkpoint_roundtrip,
+    run_epochs,
+)
 from tests.mix_sources import SIZES, key, three_source_mix, write_sources
-from tests.orders.test_mix import proportions_match
+from tests.orders.test_mix import counting, proportions_match
 
 pytest.importorskip("datasets")
 pytest.importorskip("pyarrow")
@@ -150,3 +154,48 @@ def test_realised_proportions_follow_the_schedule(tmp_path: Path) -> None:
     assert proportions_match(sources[:40].ravel(), schedule[0][1])
     assert proportions_match(sources[40:].ravel(), schedule[1][1])
     assert not proportions_match(sources[40:].ravel(), schedule[0][1])
+
+
+def late_mix_loader() -> ResumableLoader:
+    """A cycle mixture of 32 chunks of draw counts (2**16 positions each)."""
+    mix = Mix([TensorDataset(torch.arange(n)) for n in (3, 10, 4000)], [0.2, 0.3, 0.5],
+              samples_per_epoch=32 << 16, seed=1)
+    return ResumableLoader(mix, batch_size=512)
+
+
+def state_saved_at(batches: int) -> tuple[dict, list[int]]:
+    """A state saved by a loader after ``batches`` batches, and the batch it delivers next."""
+    first = late_mix_loader()
+    next(iter(first))
+    edited = {**first.state_dict(), "batches": batches - 1}
+    del edited["parts"]["audit"]  # an edited cursor: no audit, no draw counts near it
+    assert "counts" not in edited["parts"]["order"], "only chunk 0 was planned"
+    saver = late_mix_loader()
+    saver.load_state_dict(edited)
+    batches_out = iter(saver)
+    next(batches_out)
+    state = saver.state_dict()
+    return state, next(batches_out)[0].tolist()
+
+
+def test_a_resume_late_in_a_long_epoch_jumps_to_the_saved_draw_counts() -> None:
+    drawn_per_resume = []
+    for batches in (1000, 4000):  # in chunk 7, and in chunk 31 of 32
+        state, expected = state_saved_at(batches)
+        assert state["batches"] == batches and state["parts"]["order"]["counts"]
+        resumed = late_mix_loader()
+        drawn = counting(resumed.dataset.order)
+        resumed.load_state_dict(checkpoint_roundtrip(state))
+        assert next(iter(resumed))[0].tolist() == expected
+        drawn_per_resume.append(sum(drawn))
+    # one chunk ranked and the batches planned, wherever the cursor stands (a recount would
+    # draw every chunk before it)
+    assert drawn_per_resume[0] == drawn_per_resume[1] <= 2 << 16
+
+
+def test_wrong_saved_draw_counts_fail_the_audit() -> None:
+    state, _ = state_saved_at(1000)
+    epoch, chunk, counts = state["parts"]["order"]["counts"][0]
+    state["parts"]["order"]["counts"] = [[epoch, chunk, [counts[1], counts[0], counts[2]]]]
+    with pytest.raises(StateMismatchError):
+        late_mix_loader().load_state_dict(state)
