@@ -356,15 +356,15 @@ class _ThreadIterator(Iterator[Any]):
             return data
 
     def _send(self) -> None:
-        """Send requests while fewer than the limit are in flight (one at a time while
-        ``auto`` measures fetches alone) and the requests are ready."""
+        """Send requests while fewer than the limit are sent and not delivered (one at a time
+        while ``auto`` measures fetches alone) and the requests are ready."""
         pool = self._pool
         workers = pool._workers
         assert workers is not None
         auto = pool.auto
         while not self._exhausted:
             serial = auto is not None and auto.serial_phase
-            if len(self._pending) >= (1 if serial else self._limit):
+            if len(self._pending) + len(self._done) >= (1 if serial else self._limit):
                 return
             if self._ready is not None and not self._ready():
                 return
