@@ -384,3 +384,29 @@ def test_a_trainer_fits_and_resumes_with_threads(tmp_path: Path) -> None:
     check_trainer_resume(lambda: _map_loader("thread", 2, n=16), tmp_path, max_epochs=2,
                          steps=[1, 4, 5, 7])
     assert _pool_threads() == []
+
+
+def test_threads_persist_across_epochs_unless_asked_not_to(
+        map_reference: dict[str, list[list[Any]]]) -> None:
+    loader = _map_loader("thread", 2)
+    loader.sampler.set_epoch(0)
+    list(loader)
+    first = _pool_threads()
+    loader.sampler.set_epoch(1)
+    list(loader)
+    assert _pool_threads() == first and len(first) == 2
+    loader.close()
+    once = _map_loader("thread", 2, persistent_workers=False)
+    for epoch in range(2):
+        once.sampler.set_epoch(epoch)
+        assert [to_plain(b) for b in once] == map_reference["batched"][epoch]
+        assert _pool_threads() == []
+
+
+def test_pin_memory_under_threads_without_an_accelerator_warns_and_keeps_the_stream(
+        map_reference: dict[str, list[list[Any]]]) -> None:
+    if torch.accelerator.is_available():
+        pytest.skip("checks the behaviour without an accelerator")
+    loader = _map_loader("thread", 2, pin_memory=True)
+    with pytest.warns(UserWarning, match="no accelerator"):
+        assert _epochs(loader) == map_reference["batched"]
