@@ -6,14 +6,20 @@
 for every batch from ``(seed, epoch, batch, rank)``, so code using them is reproducible for a
 fixed world size whatever ``num_workers`` is. In the main process (``num_workers=0``) they are
 re-seeded after the batch from a value drawn from them before it, so the training loop's own
-random streams stay functions of its seed (``seed_everything``), not of the loader's.
+random streams stay functions of its seed (``seed_everything``), not of the loader's. Worker
+*threads* (``backend="thread"``) share the process's global RNGs with each other and with the
+training loop, so they fetch with them untouched: per-batch seeding could not be reproducible
+there; per-sample randomness comes from ``sample_rng()``, identical under every backend.
+
+The current sample and worker are per thread: each worker thread sees its own.
 """
 
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -68,8 +74,9 @@ class WorkerInfo(int):
     """The worker id (it *is* the int torch passes to ``worker_init_fn``) plus where it runs.
 
     A plain one-argument ``worker_init_fn(worker_id)`` keeps working; richer ones read the
-    attributes ``id``, ``num_workers``, ``rank``, ``world_size``, ``epoch``, ``seed`` and
-    ``dataset`` (the user's dataset, not our wrapper).
+    attributes ``id``, ``num_workers``, ``rank``, ``world_size``, ``epoch``, ``seed``,
+    ``dataset`` (the user's dataset, not our wrapper) and ``backend`` (``"process"`` or
+    ``"thread"``: what the worker is).
     """
 
     id: int
@@ -79,6 +86,7 @@ class WorkerInfo(int):
     epoch: int
     seed: int
     dataset: Any
+    backend: str
 
     def __new__(
         cls,
@@ -90,6 +98,7 @@ class WorkerInfo(int):
         epoch: int,
         seed: int,
         dataset: Any,
+        backend: str = "process",
     ) -> WorkerInfo:
         info = super().__new__(cls, worker_id)
         info.id = worker_id
@@ -99,32 +108,39 @@ class WorkerInfo(int):
         info.epoch = epoch
         info.seed = seed
         info.dataset = dataset
+        info.backend = backend
         return info
 
     def __repr__(self) -> str:
         return (f"WorkerInfo(id={self.id}, num_workers={self.num_workers}, rank={self.rank}, "
-                f"world_size={self.world_size}, epoch={self.epoch}, seed={self.seed})")
+                f"world_size={self.world_size}, epoch={self.epoch}, seed={self.seed}, "
+                f"backend={self.backend!r})")
 
 
 _SampleKey = tuple[int, int, int, int, int]  # SampleContext's fields, in order
 
-# Per process: a worker process serves exactly one loader, and in the main process these are set
-# only for the duration of one fetch, so loaders never see each other's values. The sample is
-# set as a plain tuple (once per sample, so it must be cheap) and becomes a ``SampleContext``
-# only when user code asks for it.
-_current_sample: SampleContext | _SampleKey | None = None
-_current_worker: WorkerInfo | None = None
+
+class _Current(threading.local):
+    """Per thread: a worker (process or thread) serves exactly one loader, and in the main
+    thread these are set only for the duration of one fetch, so loaders never see each other's
+    values. The sample is set as a plain tuple (once per sample, so it must be cheap) and
+    becomes a ``SampleContext`` only when user code asks for it."""
+
+    sample: SampleContext | _SampleKey | None = None
+    worker: WorkerInfo | None = None
+
+
+_current = _Current()
 
 
 def sample_context() -> SampleContext:
     """The sample being fetched; only valid inside ``__getitem__`` or a transform it calls."""
-    global _current_sample
-    current = _current_sample
+    current = _current.sample
     if current is None:
         raise RuntimeError("sample_context() is only available while a ResumableLoader fetches "
                            "a sample (inside the dataset's __getitem__ or its transforms)")
     if type(current) is tuple:
-        current = _current_sample = SampleContext(*current)
+        current = _current.sample = SampleContext(*current)
     return current  # type: ignore[return-value]
 
 
@@ -134,20 +150,20 @@ def sample_rng() -> np.random.Generator:
 
 
 def worker_info() -> WorkerInfo | None:
-    """This worker's ``WorkerInfo``, or ``None`` in the main process."""
-    return _current_worker
+    """This worker's ``WorkerInfo`` (in a worker process or a worker thread), or ``None`` in
+    the main process's own threads."""
+    return _current.worker
 
 
 def set_sample(sample: _SampleKey | None) -> None:
     """Publish the sample about to be fetched, as ``(seed, epoch, position, index, rank)``
     (``None`` once the fetch is over): for engines that call the user's ``__getitem__``."""
-    global _current_sample
-    _current_sample = sample
+    _current.sample = sample
 
 
-def set_worker(info: WorkerInfo) -> None:
-    global _current_worker
-    _current_worker = info
+def set_worker(info: WorkerInfo | None) -> None:
+    """Publish the ``WorkerInfo`` of the worker running in this thread."""
+    _current.worker = info
 
 
 _Afterwards = Literal["restore", "continue", "leave"]
@@ -195,6 +211,11 @@ def seeded_global_rngs(*key: int, afterwards: _Afterwards = "restore") -> Iterat
 
 def seeded_fetch(*key: int) -> AbstractContextManager[None]:
     """The global RNGs seeded for one batch fetch: left seeded in a worker process, continued
-    (see ``seeded_global_rngs``) in the main process, whose RNGs are the training loop's."""
+    (see ``seeded_global_rngs``) in the main process, whose RNGs are the training loop's;
+    untouched in a worker thread, whose RNGs are shared with the other threads (see the module
+    docstring)."""
+    info = _current.worker
+    if info is not None and info.backend == "thread":
+        return nullcontext()
     in_worker = torch.utils.data.get_worker_info() is not None
     return seeded_global_rngs(*key, afterwards="leave" if in_worker else "continue")

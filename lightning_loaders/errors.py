@@ -16,6 +16,8 @@ from typing import Any
 
 from torch.utils.data import get_worker_info
 
+from lightning_loaders.context import worker_info
+
 __all__ = [
     "LoaderError",
     "SampleFetchError",
@@ -130,9 +132,10 @@ def fetch_error(exc: BaseException, what: str, *, epoch: int, batch: int, rank: 
                 where: str | None = None) -> SampleFetchError:
     """The ``SampleFetchError`` for ``exc``, raised by user code while fetching ``what`` (for
     example ``"sample index 3 (epoch position 7, batch 1)"``): the one message every engine
-    gives, naming the epoch, the process (torch's worker id and pid, or ``where``) and the rank.
+    gives, naming the epoch, the worker (process or thread: its id and the pid, or ``where``)
+    and the rank.
     Raise it chained: ``raise fetch_error(...) from exc``."""
-    info = get_worker_info()
+    info: Any = get_worker_info() or worker_info()  # a worker process, or a worker thread
     worker = info.id if info is not None else None
     pid = os.getpid()
     if where is None:

@@ -41,7 +41,7 @@ from torch.utils.data import (
     get_worker_info,
 )
 
-from lightning_loaders.context import seeded_fetch, set_sample
+from lightning_loaders.context import seeded_fetch, set_sample, worker_info
 from lightning_loaders.engines.faults import Failed, OnError, Skipped, SkippedSample
 from lightning_loaders.errors import SampleFetchError, fetch_error
 from lightning_loaders.schedule.requests import BatchRequest
@@ -94,6 +94,13 @@ class BatchFetcher(Dataset[Any]):
         numbered.numbered = True
         return numbered
 
+    def thread_copy(self) -> BatchFetcher:
+        """A copy for one worker thread: the dataset is shared, a failed ``worker_init_fn`` is
+        that thread's own (as it is a worker process's)."""
+        mine = copy.copy(self)
+        mine.init_failure = None
+        return mine
+
     @property
     def in_memory(self) -> bool:
         return self._gather is not None
@@ -131,7 +138,7 @@ class BatchFetcher(Dataset[Any]):
         try:
             return self._fetch(request)
         except SampleFetchError as error:
-            if get_worker_info() is None:
+            if worker_info() is None:  # in the main process: raise it here
                 raise
             return Failed(error)
 

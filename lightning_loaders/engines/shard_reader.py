@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -206,6 +207,14 @@ class SlotFetcher(Dataset[Any]):
         self._readers: dict[int, SlotReader] = {}
         self._partitions: dict[int, tuple[SlotReader, int]] = {}  # reader, next sample
         self._source_epoch: int | None = None
+        self._shares_source = False
+
+    def thread_copy(self) -> SlotFetcher:
+        """A copy for one worker thread: its own open readers (as a worker process has), the
+        source shared with the main process, which sets its epoch (``set_epoch``) for all."""
+        mine = copy.copy(self)
+        mine._readers, mine._partitions, mine._shares_source = {}, {}, True
+        return mine
 
     def __getitem__(self, request: SlotRequest | PartRequest) -> Delivered | SlotEnd:
         if isinstance(request, PartRequest):
@@ -242,9 +251,10 @@ class SlotFetcher(Dataset[Any]):
 
         The loader calls it in the main process before the epoch's requests go out, so a
         source that keeps its epoch in memory shared with the workers (Hugging Face's) is set
-        once, before any worker reads; each worker then forwards it to its own copy.
+        once, before any worker reads; each worker process then forwards it to its own copy
+        (worker threads share the main process's source, already set).
         """
-        if epoch != self._source_epoch:
+        if epoch != self._source_epoch and not self._shares_source:
             set_epoch = getattr(self.source, "set_epoch", None)
             if callable(set_epoch):
                 set_epoch(epoch)

@@ -206,7 +206,7 @@ class ResumableIterableLoader(ResumableLoader):
         return [f"dataset={type(self.dataset).__name__}({kind}, samples={lengths})",
                 f"batch_size={self.batch_size}", f"shuffle={self.shuffle}",
                 f"shuffle_buffer={self.shuffle_buffer}", f"last_batch={self.last_batch!r}",
-                f"num_workers={self.num_workers}"]
+                f"num_workers={self.num_workers}", *self._backend_fields()]
 
     def close(self) -> None:
         """Shut the worker processes (and, without workers, the open shards) down now; they

@@ -32,6 +32,7 @@ from torch.utils.data import (
 from lightning_loaders.collectives import gather_by_rank
 from lightning_loaders.engines.faults import Failed, Skipped, SkippedSample
 from lightning_loaders.engines.fetch import BatchFetcher, Numbered, Unbatched
+from lightning_loaders.engines.threads import ThreadPool
 from lightning_loaders.engines.workers import WorkerLost, WorkerStalled, shutdown
 from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.loaders.delivery import SizedEpochSampler
@@ -138,7 +139,8 @@ class MapStyleLoader(ResumableLoader):
                 f"batch_size={self.batch_size}",
                 *([] if self.in_order else ["in_order=False"]),
                 f"order={schedule.order.fingerprint}",
-                f"last_batch={self.last_batch!r}", f"num_workers={self.num_workers}"]
+                f"last_batch={self.last_batch!r}", f"num_workers={self.num_workers}",
+                *self._backend_fields()]
 
     @property
     def skipped_indices(self) -> list[int]:
@@ -366,8 +368,9 @@ class MapStyleLoader(ResumableLoader):
         self._recent_skips.append(len(item.skipped))
         return item.batch
 
-    def _workers(self) -> DataLoader[Any]:
-        """torch's DataLoader over our batch requests (created once, workers persistent)."""
+    def _workers(self) -> DataLoader[Any] | ThreadPool:
+        """torch's DataLoader (or the thread pool) over our batch requests (created once,
+        workers persistent)."""
         fetcher = self._fetcher() if self.in_order else self._fetcher().numbering()
         limit = 0 if self.in_order else self.num_workers * (self.prefetch_factor or 2)
         return self._worker_pool(fetcher, _RequestSampler(self.schedule, self._window, limit),

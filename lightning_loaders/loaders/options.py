@@ -20,7 +20,12 @@ from lightning_loaders.engines.faults import ON_ERROR, OnError
 from lightning_loaders.loaders.tuned import is_auto
 from lightning_loaders.schedule.map_plan import LastBatch
 
-__all__ = ["LoaderOptions", "check_loader_arguments", "check_picklable", "start_method"]
+__all__ = ["BACKENDS", "LoaderOptions", "check_loader_arguments", "check_picklable",
+           "start_method"]
+
+BACKENDS: tuple[str, ...] = ("process", "thread", "auto")
+"""What ``num_workers`` workers are: torch's worker processes, threads of this process, or
+threads measured during the first batches and swapped for processes where those pay more."""
 
 
 @dataclass(frozen=True)
@@ -55,13 +60,14 @@ class LoaderOptions:
     sync_interval: int
     partitions: int | None = None
     snapshot_every_n_steps: int | None = None
+    backend: str = "process"
 
 
 def check_loader_arguments(*, batch_size: Any, num_workers: Any, timeout: Any,
                            prefetch_factor: Any, persistent_workers: Any, collate_fn: Any,
                            worker_init_fn: Any, multiprocessing_context: Any, on_error: Any,
-                           max_worker_restarts: Any, snapshot_every_n_steps: Any = None
-                           ) -> None:
+                           max_worker_restarts: Any, snapshot_every_n_steps: Any = None,
+                           backend: Any = "process") -> None:
     """Raise ``ValueError``/``TypeError`` for arguments no loader can run with."""
     if not _is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r} (or None, for "
@@ -99,6 +105,10 @@ def check_loader_arguments(*, batch_size: Any, num_workers: Any, timeout: Any,
         if multiprocessing_context not in methods:
             raise ValueError(f"multiprocessing_context={multiprocessing_context!r} is not a "
                              f"start method on this platform: use one of {methods}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}: 'process' for "
+                         "worker processes, 'thread' for worker threads (when fetching releases "
+                         "the GIL), 'auto' to measure which pays during the first batches")
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
     if not _is_int(max_worker_restarts) or max_worker_restarts < 0:

@@ -67,6 +67,23 @@ class ResumableLoader(WorkerLoader):
             the trials. Iterable datasets need known shard lengths (canonical partitions).
         snapshot_every_n_steps: accepted for ``torchdata``'s ``StatefulDataLoader`` code and
             ignored: the state is exact at every step, and costs nothing to take.
+        backend: what the ``num_workers`` workers are. ``"process"`` (default): torch's
+            worker processes. ``"thread"``: threads of this process, with nothing pickled or
+            sent between processes; they run in parallel where fetching releases the GIL (PIL,
+            numpy, torch ops, file reads). ``"auto"``: threads first; the first
+            ``2 * num_workers`` fetches run one at a time, the next ``2 * num_workers`` with
+            every thread busy, and threads are kept when ``num_workers * median(alone) /
+            median(busy)`` reaches 85% of ``min(num_workers, cores)`` (what processes could
+            reach), else the loader switches to processes at the next batch, from the cursor
+            (a dataset that cannot be pickled stays on threads); ``backend_in_use`` says which
+            runs. The stream, ``sample_rng()`` and the state are the same for every backend
+            (a state saved under one resumes under another). Under threads,
+            ``worker_info()`` is the thread's and ``torch.utils.data.get_worker_info()`` is
+            ``None`` (as in the main process); the global ``random``/numpy/torch RNGs are
+            shared and left unseeded (draw per-sample randomness from ``sample_rng()``);
+            errors, ``timeout`` and ``on_error`` behave as with processes; a thread cannot be
+            killed, so crash recovery does not arise, and a stalled thread is left to finish
+            its fetch.
 
     ``batch_size=None`` loads unbatched, as in ``DataLoader``: each sampled index gives one
     sample (``collate_fn`` defaults to ``default_convert``); a sampler that yields lists of
@@ -130,6 +147,7 @@ class ResumableLoader(WorkerLoader):
         sync_interval: int = 8,
         partitions: int | None = None,
         snapshot_every_n_steps: int | None = None,
+        backend: str = "process",
     ) -> None:
         self._configure(dataset, LoaderOptions(
             batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
@@ -141,7 +159,7 @@ class ResumableLoader(WorkerLoader):
             last_batch=last_batch, rank=rank, world_size=world_size, on_error=on_error,
             max_worker_restarts=max_worker_restarts, evaluation=evaluation,
             shuffle_buffer=shuffle_buffer, sync_interval=sync_interval, partitions=partitions,
-            snapshot_every_n_steps=snapshot_every_n_steps))
+            snapshot_every_n_steps=snapshot_every_n_steps, backend=backend))
         self._initialized = True
 
     def __class_getitem__(cls, item: Any) -> GenericAlias:

@@ -1,6 +1,7 @@
 """``WorkerLoader``: the delivery core plus what the loaders built on torch's worker machinery
-share: ``DataLoader``'s attributes and worker options, the pool of torch workers (persistent,
-restarted from the cursor after a crash), and the crash and stall errors.
+share: ``DataLoader``'s attributes and worker options, the pool of workers (torch's worker
+processes, or ``engines.threads``' worker threads, by ``backend``; persistent, restarted from
+the cursor after a crash), and the crash and stall errors.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from lightning_loaders.context import WorkerInfo, set_worker
 from lightning_loaders.engines.autotune import Autotuner, Setting, Tuning
 from lightning_loaders.engines.faults import Failed, OnError
 from lightning_loaders.engines.fetch import BatchFetcher
+from lightning_loaders.engines.threads import AutoChoice, BackendSwitch, ThreadPool, thread_worker
 from lightning_loaders.engines.workers import WorkerLost, WorkerPool, WorkerStalled, shutdown
 from lightning_loaders.errors import (
     WorkerCrashedError,
@@ -73,15 +75,23 @@ class WorkerLoader(DeliveryCore):
             collate_fn=o.collate_fn, worker_init_fn=o.worker_init_fn,
             multiprocessing_context=o.multiprocessing_context, on_error=o.on_error,
             max_worker_restarts=o.max_worker_restarts,
-            snapshot_every_n_steps=o.snapshot_every_n_steps)
+            snapshot_every_n_steps=o.snapshot_every_n_steps, backend=o.backend)
         assert o.batch_size is not None
         self._autotuner = autotuner_for(o.num_workers, o.prefetch_factor)
         tuned = self._autotuner.tuning.setting if self._autotuner else None
         num_workers = o.num_workers if tuned is None else tuned.workers
         assert isinstance(num_workers, int)
-        if num_workers > 0 or tuned is not None:
-            check_picklable(start_method(o.multiprocessing_context), dataset=dataset,
-                            collate_fn=o.collate_fn, worker_init_fn=o.worker_init_fn)
+        self.backend = o.backend
+        self._auto: AutoChoice | None = None  # backend="auto": made with the first workers
+        if (num_workers > 0 or tuned is not None) and o.backend != "thread":  # threads share
+            try:
+                check_picklable(start_method(o.multiprocessing_context), dataset=dataset,
+                                collate_fn=o.collate_fn, worker_init_fn=o.worker_init_fn)
+            except ValueError:
+                if o.backend != "auto":
+                    raise
+                # auto cannot move what does not pickle
+                self._auto = AutoChoice(max(1, num_workers), backend="thread")
         self.dataset = dataset
         self.batch_size: int = o.batch_size
         self.num_workers = num_workers
@@ -101,7 +111,7 @@ class WorkerLoader(DeliveryCore):
         self.seed = resolve_seed(o.seed, o.generator)
         self.on_error: OnError = o.on_error
         self.max_worker_restarts = o.max_worker_restarts
-        self._torch_loader: DataLoader[Any] | None = None
+        self._torch_loader: DataLoader[Any] | ThreadPool | None = None
         self._epoch_restarts = 0
         self.worker_restarts = 0
         """Worker restarts after crashes in this process (all epochs)."""
@@ -122,15 +132,30 @@ class WorkerLoader(DeliveryCore):
         running now (a change decided near an epoch's end runs from the next epoch)."""
         return None if self._autotuner is None else self._autotuner.tuning
 
+    @property
+    def backend_in_use(self) -> str | None:
+        """What the workers are: ``"process"`` or ``"thread"``; ``"main"`` without workers
+        (``num_workers=0``); ``None`` while ``backend="auto"`` is still measuring (on
+        threads, during the first batches)."""
+        if self.num_workers == 0:
+            return "main"
+        if self.backend != "auto":
+            return self.backend
+        return self._auto.backend if self._auto is not None else None
+
     def close(self) -> None:
-        """Shut the worker processes down now (they also stop when the loader is collected).
+        """Shut the workers down now (they also stop when the loader is collected); worker
+        threads are joined.
 
         Nothing is lost: an iterator used after ``close()`` starts new workers and continues
         from the cursor.
         """
         loader, self._torch_loader = self._torch_loader, None
         super().close()
-        shutdown(getattr(loader, "_iterator", None))
+        if isinstance(loader, ThreadPool):
+            loader.close()
+        else:
+            shutdown(getattr(loader, "_iterator", None))
 
     # -- for subclasses ---------------------------------------------------------------------
 
@@ -157,10 +182,31 @@ class WorkerLoader(DeliveryCore):
         except TypeError:
             return None
 
+    def _backend_fields(self) -> list[str]:
+        """``repr`` fields naming the backend, when it is not the default."""
+        if self.backend == "process":
+            return []
+        if self.backend == "thread" or self.num_workers == 0:
+            return [f"backend={self.backend!r}"]
+        return [f"backend='auto' ({self.backend_in_use or 'measuring'})"]
+
     def _worker_pool(self, fetcher: Dataset[Any], sampler: Sampler[Any],
-                     prefetch_factor: int | None) -> DataLoader[Any]:
-        """torch's DataLoader over ``fetcher`` indexed by ``sampler``'s requests (kept, with
-        persistent workers, until ``close()``)."""
+                     prefetch_factor: int | None) -> DataLoader[Any] | ThreadPool:
+        """torch's DataLoader over ``fetcher`` indexed by ``sampler``'s requests, or the
+        thread pool that does the same with threads (kept, with persistent workers, until
+        ``close()``)."""
+        if self.backend == "auto" and self._auto is None and self.num_workers > 0:
+            self._auto = AutoChoice(self.num_workers)
+        threads = self.num_workers > 0 and self.backend_in_use != "process"
+        if self._torch_loader is None and threads:
+            rank, world_size = self.schedule.placement
+            self._torch_loader = ThreadPool(
+                fetcher, sampler, num_workers=self.num_workers, prefetch_factor=prefetch_factor,
+                worker_init_fn=_WorkerStart(self.worker_init_fn, self.num_workers, rank,
+                                            world_size, self.schedule.epoch or 0, self.seed),
+                pin_memory=self.pin_memory, timeout=self.timeout, in_order=self.in_order,
+                persistent_workers=self.persistent_workers,
+                auto=self._auto if self.backend_in_use is None else None)
         if self._torch_loader is None:
             rank, world_size = self.schedule.placement
             extra: dict[str, Any] = {}
@@ -188,8 +234,12 @@ class WorkerLoader(DeliveryCore):
 
     def _recover(self, lost: WorkerLost) -> None:
         """Stop every worker (new ones start from the cursor) and count a restart, or raise
-        ``WorkerCrashedError`` past ``max_worker_restarts`` in this epoch."""
+        ``WorkerCrashedError`` past ``max_worker_restarts`` in this epoch. After
+        ``backend="auto"`` chose processes, only stop the threads: processes go on from the
+        cursor."""
         self.close()
+        if isinstance(lost, BackendSwitch):
+            return
         worker, pid, exitcode = lost.workers[0]
         rank, epoch, batch = self.schedule.placement[0], self.schedule.epoch, self._position()
         what = (f"DataLoader worker {worker} (pid {pid}) {describe_exit(exitcode)} with batch "
@@ -236,11 +286,13 @@ class _WorkerStart:
 
     def __call__(self, worker_id: int) -> None:
         torch_info = get_worker_info()
-        fetcher = torch_info.dataset if torch_info else None
+        thread = thread_worker() if torch_info is None else None
+        found = torch_info or thread
+        fetcher = found.dataset if found else None
         dataset = getattr(fetcher, "dataset", None)
         info = WorkerInfo(worker_id, num_workers=self.num_workers, rank=self.rank,
                           world_size=self.world_size, epoch=self.epoch, seed=self.seed,
-                          dataset=dataset)
+                          dataset=dataset, backend="process" if thread is None else "thread")
         set_worker(info)
         if torch_info is not None and isinstance(fetcher, BatchFetcher):
             _publish_user_dataset(torch_info, dataset)

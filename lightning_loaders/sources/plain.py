@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -48,21 +49,57 @@ def sole_reader() -> Iterator[None]:
     ``0``/``1`` (``WORKER``/``NUM_WORKERS`` ``0``/``1`` where set). Everything is restored on
     exit, so a ``worker_init_fn`` and the rest of the worker see torch's real values. Enter it
     around reads of a chunk of samples, not per sample: it costs a few environment writes.
+
+    The view is process-wide (the environment and torch's global are): worker threads reading
+    at once share one view, set by the first to enter and restored by the last to leave, and
+    the process's other threads see it meanwhile.
     """
-    saved_info = torch_worker._worker_info
-    overrides = {**_RANK_ENV, **{k: v for k, v in _WORKER_ENV.items() if k in os.environ}}
-    saved_env = {name: os.environ.get(name) for name in overrides}
-    torch_worker._worker_info = None
-    os.environ.update(overrides)
+    with _VIEW.lock:
+        if _VIEW.depth == 0:
+            _VIEW.saved_info = torch_worker._worker_info
+            overrides = {**_RANK_ENV, **{k: v for k, v in _WORKER_ENV.items() if k in os.environ}}
+            _VIEW.saved_env = {name: os.environ.get(name) for name in overrides}
+            torch_worker._worker_info = None
+            os.environ.update(overrides)
+        _VIEW.depth += 1
     try:
         yield
     finally:
-        torch_worker._worker_info = saved_info
-        for name, value in saved_env.items():
+        with _VIEW.lock:
+            _VIEW.depth -= 1
+            if _VIEW.depth == 0:
+                _VIEW.restore()
+
+
+class _View:
+    """What ``sole_reader`` changed, restored by the last of the threads inside it to leave."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.saved_info: Any = None
+        self.saved_env: dict[str, str | None] = {}
+
+    def restore(self) -> None:
+        torch_worker._worker_info = self.saved_info
+        for name, value in self.saved_env.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+        self.saved_info, self.saved_env = None, {}
+
+    def after_fork(self) -> None:
+        """In a forked child: only the forking thread exists, so no reader is inside; a lock
+        another thread held is released and a view it had set is undone."""
+        self.lock = threading.Lock()
+        if self.depth:
+            self.depth = 0
+            self.restore()
+
+
+_VIEW = _View()
+os.register_at_fork(after_in_child=_VIEW.after_fork)
 
 
 def refuse_rank_split(dataset: Any) -> None:

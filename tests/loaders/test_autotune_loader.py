@@ -53,13 +53,14 @@ def sharded_source() -> GeneratorSource[dict[str, Any]]:
     return GeneratorSource(slow_shard, shards, lengths=[n for _, n in shards], seekable=True)
 
 
-def factory(kind: str, num_workers: Any, n: int = 36) -> Callable[[], ResumableLoader]:
+def factory(kind: str, num_workers: Any, n: int = 36, backend: str = "process"
+            ) -> Callable[[], ResumableLoader]:
     def make() -> ResumableLoader:
         if kind == "map":
             return ResumableLoader(SlowDataset(n), batch_size=3, shuffle=True, seed=5,
-                                   num_workers=num_workers)
+                                   num_workers=num_workers, backend=backend)
         return ResumableLoader(sharded_source(), batch_size=3, shuffle=True, seed=5,
-                               partitions=4, num_workers=num_workers)
+                               partitions=4, num_workers=num_workers, backend=backend)
     return make
 
 
@@ -76,10 +77,13 @@ def recorded(loader: ResumableLoader, epochs: int) -> tuple[list[Any], list[dict
     return batches, states, workers
 
 
+@pytest.mark.parametrize("backend", ["process", "thread", "auto"])
 @pytest.mark.parametrize("kind", ["map", "sharded"])
-def test_an_autotuned_run_delivers_the_same_bytes_and_states_as_fixed_runs(kind: str) -> None:
+def test_an_autotuned_run_delivers_the_same_bytes_and_states_as_fixed_runs(
+        kind: str, backend: str) -> None:
+    """Under every backend: the tuned worker count runs as processes or threads."""
     fixed = {w: recorded(factory(kind, w)(), 2) for w in (0, 2)}
-    with factory(kind, FORCED)() as tuned:
+    with factory(kind, FORCED, backend=backend)() as tuned:
         batches, states, workers = recorded(tuned, 2)
         tuning = tuned.autotune
     assert tuning is not None and tuning.changes >= 2

@@ -1,0 +1,417 @@
+"""Worker threads: what torch's worker processes do for the loader, with threads.
+
+``ThreadPool(fetcher, requests, num_workers=N, ...)`` stands where
+``DataLoader(fetcher, sampler=requests, batch_size=None, num_workers=N)`` stands for worker
+processes: it iterates the requests, runs ``fetcher[request]`` on ``N`` threads and delivers
+the results in request order, or, with ``in_order=False``, as they finish (holding requests
+back while the requests iterator's ``ready()`` says so, as ``workers._WatchedIterator`` does).
+Thread ``w`` runs ``worker_init_fn(w)`` once, then serves the requests torch's round-robin
+gives worker ``w`` (``w``, ``w + N``, ... with ``in_order=True``), on its own
+``thread_copy()`` of the fetcher when it has one (per-worker state such as a slot's open
+shards; the dataset itself is shared, as threads share memory). At most
+``num_workers * prefetch_factor`` requests are in flight. Threads persist across iterators
+(epochs) unless ``persistent_workers=False``; ``close()`` stops and joins them, and a pool that
+is dropped stops its threads too.
+
+Nothing is pickled and nothing crosses a process boundary, so no time goes to inter-process
+transport; threads run in parallel where the work releases the GIL (image decoding, numpy and
+torch operations, file reads). An exception in a thread reaches the caller as from a worker
+process (torch's ``ExceptionWrapper``); ``timeout`` raises ``WorkerStalled`` naming the worker
+whose request is due. A thread cannot be killed, so there is no crash to recover from; a
+stalled thread is left to finish its fetch on its own (it is a daemon thread, and stops then).
+
+``AutoChoice`` with a pool measures whether threads pay (``backend="auto"``); see
+``choose_backend``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import statistics
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils.data import _utils as torch_data_utils
+
+from lightning_loaders.context import set_sample, set_worker
+from lightning_loaders.engines.autotune import available_cpus
+from lightning_loaders.engines.workers import POLL_S, WorkerLost, WorkerStalled
+
+__all__ = [
+    "KEEP_THREADS_AT",
+    "AutoChoice",
+    "BackendSwitch",
+    "ThreadPool",
+    "ThreadWorker",
+    "choose_backend",
+    "thread_worker",
+]
+
+_log = logging.getLogger(__name__)
+
+KEEP_THREADS_AT = 0.85
+"""``backend="auto"`` keeps threads when they reach this fraction of the speed-up that worker
+processes could reach (processes lose about 10% to pickling and inter-process transport)."""
+JOIN_S = 60.0
+"""How long ``close()`` waits for a thread to finish the fetch it is in before leaving it."""
+
+
+class ThreadWorker(NamedTuple):
+    """What ``thread_worker()`` says inside a pool thread (torch's ``WorkerInfo`` fields that a
+    thread has): its id, the number of threads, and its copy of the fetcher."""
+
+    id: int
+    num_workers: int
+    dataset: Any
+
+
+_local = threading.local()
+
+
+def thread_worker() -> ThreadWorker | None:
+    """The ``ThreadWorker`` of the pool thread calling it, ``None`` in any other thread."""
+    return getattr(_local, "worker", None)
+
+
+class BackendSwitch(WorkerLost):
+    """Internal: ``backend="auto"`` measured that worker processes pay more than threads; the
+    loader stops the threads and goes on from the cursor with processes."""
+
+    def __init__(self, backend: str) -> None:
+        Exception.__init__(self, f"switching to the {backend} backend")
+        self.workers = []
+        self.backend = backend
+
+
+def choose_backend(serial_s: list[float], concurrent_s: list[float], num_workers: int,
+                   cores: int) -> str:
+    """``"thread"`` or ``"process"`` from fetch times measured on threads.
+
+    ``serial_s`` are the wall times of fetches that ran alone, ``concurrent_s`` of fetches
+    that ran with all threads busy. Work that holds the GIL takes about ``num_workers`` times
+    longer when the threads run at once; work that releases it (or waits on I/O) takes about
+    as long. The threads' speed-up is ``num_workers * median(serial) / median(concurrent)``;
+    processes could at best reach ``min(num_workers, cores)``. Threads are kept when they
+    reach ``KEEP_THREADS_AT`` of that.
+    """
+    serial, concurrent = statistics.median(serial_s), statistics.median(concurrent_s)
+    if concurrent <= 0:
+        return "thread"
+    speedup = num_workers * serial / concurrent
+    return "thread" if speedup >= KEEP_THREADS_AT * min(num_workers, cores) else "process"
+
+
+@dataclass
+class AutoChoice:
+    """``backend="auto"``'s measurement and decision, kept by the loader across pools.
+
+    The first ``probe`` fetches run one at a time (``serial``), the next ``probe`` with every
+    thread busy (``concurrent``); then ``choose_backend`` decides, once for the loader's life.
+    ``backend`` is ``None`` until then. ``probe`` defaults to twice the number of workers.
+    """
+
+    num_workers: int
+    probe: int = 0
+    backend: str | None = None
+    serial: list[float] = field(default_factory=list)
+    concurrent: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.probe = self.probe or 2 * self.num_workers
+
+    @property
+    def serial_phase(self) -> bool:
+        return self.backend is None and len(self.serial) < self.probe
+
+    def record(self, serial: bool, wall_s: float) -> None:
+        """Note one fetch's wall time; decide once both phases are measured."""
+        if self.backend is not None:
+            return
+        (self.serial if serial else self.concurrent).append(wall_s)
+        if len(self.concurrent) >= self.probe:
+            self.backend = choose_backend(self.serial, self.concurrent, self.num_workers,
+                                          available_cpus())
+            _log.info("backend='auto' chose %s workers (fetch times alone %s s, all threads "
+                      "busy %s s)", self.backend, _rounded(self.serial),
+                      _rounded(self.concurrent))
+
+
+def _rounded(values: list[float]) -> list[float]:
+    return [round(v, 4) for v in values]
+
+
+class _Task(NamedTuple):
+    generation: int
+    number: int
+    request: Any
+
+
+class _Result(NamedTuple):
+    generation: int
+    number: int
+    worker: int
+    data: Any
+    wall_s: float
+
+
+class _Worker(NamedTuple):
+    thread: threading.Thread
+    inbox: queue.SimpleQueue[_Task | None]
+
+
+class ThreadPool:
+    """The thread counterpart of torch's ``DataLoader`` over a fetcher (module docstring)."""
+
+    def __init__(self, fetcher: Any, sampler: Any, *, num_workers: int,
+                 prefetch_factor: int | None = None,
+                 worker_init_fn: Callable[[int], None] | None = None, pin_memory: bool = False,
+                 timeout: float = 0, in_order: bool = True, persistent_workers: bool = True,
+                 auto: AutoChoice | None = None) -> None:
+        if num_workers < 1:
+            raise ValueError(f"a ThreadPool needs num_workers >= 1, got {num_workers}")
+        self.fetcher = fetcher
+        self.sampler = sampler
+        self.num_workers = num_workers
+        self.prefetch_factor = prefetch_factor or 2
+        self.worker_init_fn = worker_init_fn
+        self.timeout = timeout
+        self.in_order = in_order
+        self.persistent_workers = persistent_workers
+        self.auto = auto
+        if pin_memory and not torch.accelerator.is_available():
+            warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
+                          "then device pinned memory won't be used.", stacklevel=2)
+        accelerator = torch.accelerator.current_accelerator() if pin_memory else None
+        self._pin: tuple[str, int] | None = None
+        if accelerator is not None and accelerator.type != "mps":
+            self._pin = (accelerator.type, torch.accelerator.current_device_index())
+        self._workers: list[_Worker] | None = None
+        self._outbox: queue.SimpleQueue[_Result] = queue.SimpleQueue()
+        self._generation = 0
+        self._stalled: set[int] = set()
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """The running threads (empty before the first ``iter()`` and after ``close()``)."""
+        return [worker.thread for worker in self._workers or ()]
+
+    def __iter__(self) -> _ThreadIterator:
+        if self._workers is not None and not self.persistent_workers:
+            self.close()
+        if self._workers is None:
+            self._start()
+        else:
+            _drain_inboxes(self._workers)
+        self._generation += 1
+        return _ThreadIterator(self, self._generation)
+
+    def close(self) -> None:
+        """Stop the threads and wait for them (a thread finishes the fetch it is in first; one
+        reported stalled is left to finish on its own)."""
+        workers, self._workers = self._workers, None
+        if workers is None:
+            return
+        _stop(workers)
+        deadline = time.monotonic() + JOIN_S
+        for w, worker in enumerate(workers):
+            if w in self._stalled or worker.thread is threading.current_thread():
+                continue
+            worker.thread.join(max(0.0, deadline - time.monotonic()))
+            if worker.thread.is_alive():
+                _log.warning("worker thread %s is still in a fetch after %.0f s; it stops when "
+                             "that fetch returns", worker.thread.name, JOIN_S)
+        self._stalled.clear()
+        self._outbox = queue.SimpleQueue()  # results of the stopped threads are dropped
+
+    def __del__(self) -> None:
+        workers = getattr(self, "_workers", None)
+        if workers is not None:
+            _stop(workers)
+
+    def _start(self) -> None:
+        outbox, workers = self._outbox, []
+        for w in range(self.num_workers):
+            inbox: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+            copy = getattr(self.fetcher, "thread_copy", None)
+            fetcher = copy() if callable(copy) else self.fetcher
+            thread = threading.Thread(
+                target=_serve, name=f"lightning_loaders worker {w}", daemon=True,
+                args=(ThreadWorker(w, self.num_workers, fetcher), inbox, outbox,
+                      self.worker_init_fn, self._pin))
+            workers.append(_Worker(thread, inbox))
+        self._workers = workers
+        for worker in workers:
+            worker.thread.start()
+
+
+def _stop(workers: list[_Worker]) -> None:
+    _drain_inboxes(workers)
+    for worker in workers:
+        worker.inbox.put(None)
+
+
+def _drain_inboxes(workers: list[_Worker]) -> None:
+    """Drop the requests no thread has started (those of an abandoned iterator)."""
+    for worker in workers:
+        while True:
+            try:
+                worker.inbox.get_nowait()
+            except queue.Empty:
+                break
+
+
+def _serve(me: ThreadWorker, inbox: queue.SimpleQueue[_Task | None],
+           outbox: queue.SimpleQueue[_Result], init: Callable[[int], None] | None,
+           pin: tuple[str, int] | None) -> None:
+    """A pool thread: ``init`` once, then fetch each task of ``inbox`` until ``None``."""
+    _local.worker = me
+    where = f"in DataLoader worker thread {me.id}"
+    failure = None
+    if pin is not None:
+        torch.accelerator.set_device_index(pin[1])
+    if init is not None:
+        try:
+            init(me.id)
+        except BaseException:
+            failure = torch_data_utils.ExceptionWrapper(where=where)
+    fetcher = me.dataset
+    try:
+        while (task := inbox.get()) is not None:
+            start = time.perf_counter()
+            data: Any = failure
+            if data is None:
+                try:
+                    data = fetcher[task.request]
+                    if pin is not None:
+                        data = torch_data_utils.pin_memory.pin_memory(data, pin[0])
+                except BaseException:
+                    data = torch_data_utils.ExceptionWrapper(where=where)
+            outbox.put(_Result(task.generation, task.number, me.id, data,
+                               time.perf_counter() - start))
+            del data, task
+    finally:
+        set_sample(None)
+        set_worker(None)
+        _local.worker = None
+
+
+class _ThreadIterator(Iterator[Any]):
+    """One pass over the pool's requests (see ``ThreadPool``); a newer ``iter()`` on the pool
+    replaces it."""
+
+    def __init__(self, pool: ThreadPool, generation: int) -> None:
+        self._pool = pool
+        self._generation = generation
+        self._requests = iter(pool.sampler)
+        self._ready: Callable[[], bool] | None = getattr(self._requests, "ready", None)
+        self._limit = pool.num_workers * pool.prefetch_factor
+        self._cycle = itertools.cycle(range(pool.num_workers))
+        self._per_worker = [0] * pool.num_workers
+        self._sent = 0
+        self._received = 0  # the next result to deliver (in_order=True)
+        self._pending: dict[int, tuple[int, bool]] = {}  # sent, not received: (worker, serial)
+        self._done: dict[int, _Result] = {}  # received ahead of their turn (in_order=True)
+        self._exhausted = False
+        self._send()
+
+    def __next__(self) -> Any:
+        pool = self._pool
+        if pool._generation != self._generation:
+            raise RuntimeError("this iterator was replaced by a newer iter() on its pool")
+        auto = pool.auto
+        if auto is not None and auto.backend == "process":
+            raise BackendSwitch("process")
+        while True:
+            self._send()
+            result = self._done.pop(self._received, None)
+            if result is None:
+                if not self._pending:  # every request sent was delivered
+                    if not pool.persistent_workers:
+                        pool.close()
+                    raise StopIteration
+                result = self._take()
+                if pool.in_order and result.number != self._received:
+                    self._done[result.number] = result
+                    continue
+            if pool.in_order:
+                self._received += 1
+            self._send()  # keep the threads busy while the caller uses this result
+            data = result.data
+            if isinstance(data, torch_data_utils.ExceptionWrapper):
+                data.reraise()
+            return data
+
+    def _send(self) -> None:
+        """Send requests while fewer than the limit are sent and not delivered (one at a time
+        while ``auto`` measures fetches alone) and the requests are ready."""
+        pool = self._pool
+        workers = pool._workers
+        assert workers is not None
+        auto = pool.auto
+        while not self._exhausted:
+            serial = auto is not None and auto.serial_phase
+            if len(self._pending) + len(self._done) >= (1 if serial else self._limit):
+                return
+            if self._ready is not None and not self._ready():
+                return
+            try:
+                request = next(self._requests)
+            except StopIteration:
+                self._exhausted = True
+                return
+            w = self._next_worker()
+            workers[w].inbox.put(_Task(self._generation, self._sent, request))
+            self._pending[self._sent] = (w, serial)
+            self._per_worker[w] += 1
+            self._sent += 1
+
+    def _next_worker(self) -> int:
+        """torch's choice: round-robin; with ``in_order=False``, the next worker in the round
+        with fewer than ``prefetch_factor`` requests in hand."""
+        for _ in range(self._pool.num_workers):
+            w = next(self._cycle)
+            if self._pool.in_order or self._per_worker[w] < self._pool.prefetch_factor:
+                return w
+        return w
+
+    def _take(self) -> _Result:
+        """The next result of this iterator's requests, waiting at most ``timeout``."""
+        pool = self._pool
+        timeout = pool.timeout
+        deadline = time.monotonic() + timeout if timeout > 0 else None
+        while True:
+            wait = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            try:
+                result = pool._outbox.get(timeout=max(0.0, wait))
+            except queue.Empty:
+                self._check_alive()
+                if deadline is not None and time.monotonic() >= deadline:
+                    worker = self._pending[min(self._pending)][0]
+                    pool._stalled.add(worker)
+                    raise WorkerStalled(worker, os.getpid(), timeout) from None
+                continue
+            if result.generation != self._generation:
+                continue  # an abandoned iterator's
+            worker, serial = self._pending.pop(result.number)
+            self._per_worker[worker] -= 1
+            if pool.auto is not None:
+                pool.auto.record(serial, result.wall_s)
+            return result
+
+    def _check_alive(self) -> None:
+        """A pool thread ends only when stopped; one that ended otherwise is reported as a
+        lost worker (and restarted by the loader, as a dead worker process would be)."""
+        workers = self._pool._workers or []
+        dead: list[tuple[int, int | None, int | None]] = [
+            (w, os.getpid(), None) for w, worker in enumerate(workers)
+            if not worker.thread.is_alive()]
+        if dead:
+            raise WorkerLost(dead)

@@ -1,0 +1,275 @@
+"""The thread pool: torch's worker machinery (order, round-robin, in-flight limit, errors,
+timeout, persistence, shutdown) with threads; and the rule ``backend="auto"`` decides by."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from lightning_loaders.engines.threads import (
+    KEEP_THREADS_AT,
+    AutoChoice,
+    BackendSwitch,
+    ThreadPool,
+    choose_backend,
+    thread_worker,
+)
+from lightning_loaders.engines.workers import WorkerStalled
+
+
+class Recorder:
+    """``fetcher[r]`` is ``(r, the thread's worker id)``; counts fetches running at once."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.lock = threading.Lock()
+        self.running = 0
+        self.most_at_once = 0
+
+    def __getitem__(self, request: int) -> tuple[int, int]:
+        with self.lock:
+            self.running += 1
+            self.most_at_once = max(self.most_at_once, self.running)
+        try:
+            time.sleep(self.delay)
+            info = thread_worker()
+            assert info is not None
+            return request, info.id
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+class Taken:
+    """A sampler that counts the requests taken from it."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.taken = 0
+
+    def __iter__(self) -> Iterator[int]:
+        for r in range(self.n):
+            self.taken += 1
+            yield r
+
+
+def pool_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("lightning_loaders worker")]
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_results_come_in_request_order_from_round_robin_threads(workers: int) -> None:
+    pool = ThreadPool(Recorder(), range(20), num_workers=workers)
+    got = list(pool)
+    assert [r for r, _ in got] == list(range(20))
+    assert [w for _, w in got] == [r % workers for r in range(20)]  # torch's round-robin
+    pool.close()
+
+
+def test_requests_in_flight_stay_within_workers_times_prefetch_factor() -> None:
+    sampler = Taken(40)
+    pool = ThreadPool(Recorder(0.002), sampler, num_workers=3, prefetch_factor=2)
+    delivered = 0
+    for _ in pool:
+        delivered += 1
+        assert sampler.taken - delivered <= 3 * 2
+    assert delivered == 40
+    pool.close()
+
+
+class Windowed:
+    """Requests with ``ready()``: only while fewer than ``limit`` are taken and undelivered."""
+
+    def __init__(self, n: int, limit: int) -> None:
+        self.it = iter(range(n))
+        self.limit = limit
+        self.taken = 0
+        self.delivered = 0
+
+    def __iter__(self) -> Windowed:
+        return self
+
+    def __next__(self) -> int:
+        r = next(self.it)
+        self.taken += 1
+        return r
+
+    def ready(self) -> bool:
+        return self.taken - self.delivered < self.limit
+
+
+def test_out_of_order_delivers_every_result_and_honours_ready() -> None:
+    window = Windowed(30, limit=2)
+    pool = ThreadPool(Recorder(0.002), [], num_workers=3, in_order=False)
+    pool.sampler = _Once(window)
+    seen = []
+    for r, _ in pool:
+        seen.append(r)
+        window.delivered += 1
+        assert window.taken - window.delivered <= 2
+    assert sorted(seen) == list(range(30))
+    pool.close()
+
+
+class _Once:
+    def __init__(self, it: Any) -> None:
+        self.it = it
+
+    def __iter__(self) -> Any:
+        return self.it
+
+
+def test_worker_init_fn_runs_once_in_each_thread() -> None:
+    calls: list[tuple[int, int | None, str]] = []
+
+    def init(worker_id: int) -> None:
+        info = thread_worker()
+        calls.append((worker_id, info.id if info else None, threading.current_thread().name))
+
+    pool = ThreadPool(Recorder(), range(9), num_workers=3, worker_init_fn=init)
+    for _ in range(2):  # persistent threads: initialised once
+        assert len(list(pool)) == 9
+    pool.close()
+    assert sorted(calls) == [(w, w, f"lightning_loaders worker {w}") for w in range(3)]
+
+
+class Fails:
+    def __getitem__(self, request: int) -> int:
+        if request == 4:
+            raise KeyError(f"no sample {request}")
+        return request
+
+
+def test_an_exception_reaches_the_caller_as_from_a_worker_process() -> None:
+    pool = ThreadPool(Fails(), range(8), num_workers=2)
+    it = iter(pool)
+    assert [next(it) for _ in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(KeyError, match="Caught KeyError in DataLoader worker thread 0"):
+        next(it)
+    pool.close()
+
+
+def test_a_failing_worker_init_fn_fails_that_threads_requests() -> None:
+    def init(worker_id: int) -> None:
+        if worker_id == 1:
+            raise RuntimeError("no device")
+
+    pool = ThreadPool(Recorder(), range(4), num_workers=2, worker_init_fn=init)
+    it = iter(pool)
+    assert next(it) == (0, 0)
+    with pytest.raises(RuntimeError, match="no device"):
+        next(it)
+    pool.close()
+
+
+class Hangs:
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def __getitem__(self, request: int) -> int:
+        if request == 3:
+            self.release.wait(10)
+        return request
+
+
+def test_timeout_names_the_worker_whose_request_is_late() -> None:
+    fetcher = Hangs()
+    pool = ThreadPool(fetcher, range(6), num_workers=2, timeout=0.3)
+    it = iter(pool)
+    assert [next(it) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(WorkerStalled) as caught:
+        next(it)
+    assert caught.value.worker == 1 and caught.value.timeout == 0.3
+    pool.close()  # does not wait for the stalled thread
+    fetcher.release.set()
+    _wait_for_no_threads()
+
+
+def test_threads_persist_across_iterators_and_close_joins_them() -> None:
+    pool = ThreadPool(Recorder(), range(5), num_workers=3)
+    assert pool.threads == []
+    list(pool)
+    first = pool.threads
+    list(pool)
+    assert pool.threads == first and all(t.is_alive() for t in first)
+    pool.close()
+    assert pool.threads == [] and not any(t.is_alive() for t in first)
+    assert pool_threads() == []
+    assert list(pool) == [(r, r % 3) for r in range(5)]  # new threads after close()
+    pool.close()
+    assert pool_threads() == []
+
+
+def test_non_persistent_threads_stop_at_the_end_of_each_pass() -> None:
+    pool = ThreadPool(Recorder(), range(5), num_workers=2, persistent_workers=False)
+    list(pool)
+    assert pool.threads == [] and pool_threads() == []
+
+
+def test_an_abandoned_pass_does_not_leak_into_the_next() -> None:
+    pool = ThreadPool(Recorder(0.01), range(12), num_workers=2)
+    it = iter(pool)
+    next(it)
+    assert [r for r, _ in pool] == list(range(12))
+    with pytest.raises(RuntimeError, match="replaced"):
+        next(it)
+    pool.close()
+
+
+def test_a_dropped_pool_stops_its_threads() -> None:
+    pool = ThreadPool(Recorder(), range(5), num_workers=2)
+    list(pool)
+    del pool
+    gc.collect()
+    _wait_for_no_threads()
+
+
+def _wait_for_no_threads() -> None:
+    for _ in range(200):
+        if not pool_threads():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"threads still alive: {pool_threads()}")
+
+
+# -- backend="auto" ---------------------------------------------------------------------------
+
+
+def test_the_rule_keeps_threads_when_they_run_in_parallel() -> None:
+    # GIL released (or I/O): a busy fetch takes as long as one alone
+    assert choose_backend([1.0, 1.0], [1.0, 1.1], num_workers=4, cores=8) == "thread"
+    # more workers than cores: processes could only reach the cores' speed-up too
+    assert choose_backend([1.0], [2.0], num_workers=4, cores=2) == "thread"
+    # GIL held: fetches take num_workers times longer when the threads run at once
+    assert choose_backend([1.0, 1.0], [3.9, 4.1], num_workers=4, cores=8) == "process"
+    # half the time under the GIL: threads reach 1.33x of the 2x processes could
+    assert choose_backend([1.0], [1.5], num_workers=2, cores=2) == "process"
+    assert 2 * 1.0 / 1.15 >= KEEP_THREADS_AT * 2
+    assert choose_backend([1.0], [1.15], num_workers=2, cores=2) == "thread"
+
+
+def test_auto_measures_fetches_alone_then_all_threads_busy() -> None:
+    fetcher = Recorder(0.01)
+    auto = AutoChoice(2)
+    pool = ThreadPool(fetcher, range(4), num_workers=2, auto=auto)
+    list(pool)  # the serial phase: one fetch at a time
+    assert fetcher.most_at_once == 1 and len(auto.serial) == 4 and auto.backend is None
+    list(pool)
+    assert len(auto.concurrent) == 4 and auto.backend == "thread"  # sleeping releases the GIL
+    pool.close()
+
+
+def test_auto_raises_backend_switch_after_choosing_processes() -> None:
+    auto = AutoChoice(2, probe=1)
+    pool = ThreadPool(Recorder(), range(10), num_workers=2, auto=auto)
+    it = iter(pool)
+    next(it)
+    auto.backend = "process"
+    with pytest.raises(BackendSwitch):
+        next(it)
+    pool.close()

@@ -1,0 +1,412 @@
+"""``backend="process" | "thread" | "auto"``: the same stream, per-sample RNG and state under
+every backend and worker count; worker context, errors, timeout, ``on_error`` and shutdown
+keep their meaning under threads; ``auto`` never changes the data."""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from lightning_loaders import ResumableLoader, sample_rng, worker_info
+from lightning_loaders.engines import threads
+from lightning_loaders.errors import SampleFetchError, WorkerTimeoutError
+from lightning_loaders.sources.shards import SequenceSource
+from lightning_loaders.testing import check_resume_at_every_step, run_epochs, to_plain
+from tests.lightning_harness import check_trainer_resume
+
+BACKENDS = ["process", "thread", "auto"]
+WORKERS = [0, 1, 2, 3]
+
+
+class RngDataset(torch.utils.data.Dataset[dict[str, Any]]):
+    """Sample ``i``: its index and a draw from ``sample_rng()`` (the per-sample RNG)."""
+
+    def __init__(self, n: int, slow: int = 0, pause: float = 0.02) -> None:
+        self.n = n
+        self.slow = slow  # every slow-th sample sleeps a little (out-of-order delivery)
+        self.pause = pause
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if self.slow and index % self.slow == 0:
+            time.sleep(self.pause)
+        return {"index": index, "draw": int(sample_rng().integers(1 << 30))}
+
+
+def _pool_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("lightning_loaders worker")]
+
+
+def _map_loader(backend: str, workers: int, **kwargs: Any) -> ResumableLoader:
+    options: dict[str, Any] = {"batch_size": 4, "shuffle": True, "seed": 5}
+    options.update(kwargs)
+    dataset = RngDataset(options.pop("n", 30), options.pop("slow", 0))
+    return ResumableLoader(dataset, num_workers=workers,
+                           backend=backend, **options)
+
+
+def _epochs(loader: ResumableLoader, epochs: int = 2) -> list[list[Any]]:
+    try:
+        return run_epochs(loader, range(epochs))
+    finally:
+        loader.close()
+
+
+@pytest.fixture(scope="module")
+def map_reference() -> dict[str, list[list[Any]]]:
+    return {"batched": _epochs(_map_loader("process", 0)),
+            "unbatched": _epochs(_map_loader("process", 0, batch_size=None, n=9))}
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_map_style_stream_and_sample_rng_are_the_same_for_every_backend(
+        backend: str, workers: int, map_reference: dict[str, list[list[Any]]]) -> None:
+    assert _epochs(_map_loader(backend, workers)) == map_reference["batched"]
+    unbatched = _map_loader(backend, workers, batch_size=None, n=9)
+    assert _epochs(unbatched) == map_reference["unbatched"]
+    assert _pool_threads() == []
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_of_order_delivers_each_batch_once_and_resumes_exactly(
+        backend: str, workers: int, map_reference: dict[str, list[list[Any]]]) -> None:
+    expected = map_reference["batched"]
+    states: list[dict[str, Any]] = []
+    loader = _map_loader(backend, workers, in_order=False, slow=5)
+    first: list[Any] = []
+    for epoch in range(2):
+        loader.sampler.set_epoch(epoch)
+        got = []
+        for batch in loader:
+            got.append(to_plain(batch))
+            if epoch == 0:
+                states.append(loader.state_dict())
+        assert _sorted(got) == _sorted(expected[epoch])
+        first.append(got)
+    loader.close()
+    for step, state in enumerate(states[:-1]):
+        resumed = _map_loader(backend, workers, in_order=False, slow=5)
+        resumed.load_state_dict(state)
+        rest = _epochs(resumed, 1)[0]
+        assert _sorted(first[0][:step + 1] + rest) == _sorted(expected[0]), step
+
+
+def _sorted(batches: list[Any]) -> list[Any]:
+    return sorted(batches, key=repr)
+
+
+class SplitsByWorker(IterableDataset[int]):
+    """A plain iterable dataset that splits itself by worker (torch's documented pattern)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        if info is None:
+            return iter(range(self.n))
+        return iter(range(info.id, self.n, info.num_workers))
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class UnknownLengths(SequenceSource[int]):
+    @property
+    def shard_lengths(self) -> None:
+        return None
+
+
+def _iterable(kind: str) -> Any:
+    shards = [list(range(s * 10, s * 10 + n)) for s, n in enumerate([7, 5, 9, 6])]
+    if kind == "known":
+        return SequenceSource(shards)
+    if kind == "unknown":
+        return UnknownLengths(shards)
+    return SplitsByWorker(27)
+
+
+def _iterable_loader(kind: str, backend: str, workers: int) -> ResumableLoader:
+    return ResumableLoader(_iterable(kind), batch_size=3, shuffle=kind != "plain", seed=2,
+                           num_workers=workers, backend=backend)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("kind", ["known", "unknown", "plain"])
+def test_iterable_stream_is_the_same_for_every_backend(kind: str, workers: int) -> None:
+    expected = _epochs(_iterable_loader(kind, "process", workers))
+    assert sorted(i for batch in expected[0] for i in batch) == sorted(
+        i for shard in ([list(range(27))] if kind == "plain" else _iterable(kind).sequences)
+        for i in shard)
+    for backend in ("thread", "auto"):
+        assert _epochs(_iterable_loader(kind, backend, workers)) == expected, backend
+    assert _pool_threads() == []
+    assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ  # the view is undone
+
+
+def test_resume_at_every_step_under_threads() -> None:
+    check_resume_at_every_step(lambda: _map_loader("thread", 2, n=18), epochs=2)
+    check_resume_at_every_step(lambda: _iterable_loader("unknown", "thread", 2), epochs=2)
+    check_resume_at_every_step(lambda: _iterable_loader("plain", "thread", 2), epochs=1)
+    _no_threads_after_collection()  # the check drops its loaders without closing them
+
+
+def _no_threads_after_collection() -> None:
+    gc.collect()
+    for _ in range(200):
+        if not _pool_threads():
+            return
+        time.sleep(0.05)
+    assert _pool_threads() == []
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [("process", "thread"), ("thread", "process")])
+def test_a_state_saved_under_one_backend_resumes_under_another(saved: str, resumed: str
+                                                              ) -> None:
+    for make in (lambda b: _map_loader(b, 2), lambda b: _iterable_loader("known", b, 2)):
+        full = _epochs(make(saved))
+        loader = make(saved)
+        loader.sampler.set_epoch(0)
+        it = iter(loader)
+        head = [to_plain(next(it)) for _ in range(3)]
+        state = loader.state_dict()
+        loader.close()
+        other = make(resumed)
+        other.load_state_dict(state)
+        rest = run_epochs(other, range(0, 2))
+        other.close()
+        assert head + rest[0] == full[0] and rest[1] == full[1]
+
+
+class Introspects(torch.utils.data.Dataset[dict[str, Any]]):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        info = worker_info()
+        return {"index": index, "worker": -1 if info is None else info.id,
+                "backend": "" if info is None else info.backend,
+                "torch_info": get_worker_info() is not None,
+                "thread": threading.current_thread().name,
+                "seed": torch.initial_seed()}
+
+
+def test_worker_info_is_the_threads_and_torchs_is_none_under_threads() -> None:
+    inits: list[tuple[int, str, Any, str]] = []
+
+    def init(info: Any) -> None:
+        inits.append((info.id, info.backend, info.dataset, threading.current_thread().name))
+        assert worker_info() is info
+
+    dataset = Introspects()
+    torch.manual_seed(1234)
+    loader = ResumableLoader(dataset, batch_size=2, num_workers=3, backend="thread",
+                             worker_init_fn=init)
+    batches = _epochs(loader, 1)[0]
+    assert sorted(inits, key=lambda i: i[0]) == [
+        (w, "thread", dataset, f"lightning_loaders worker {w}") for w in range(3)]
+    for b, batch in enumerate(batches):
+        assert batch["worker"] == [b % 3] * 2 and batch["backend"] == ["thread"] * 2
+        assert batch["thread"] == [f"lightning_loaders worker {b % 3}"] * 2
+        assert batch["torch_info"] == [False, False]  # as in the main process
+        assert batch["seed"] == [1234, 1234]  # threads leave the global RNGs alone
+    assert worker_info() is None  # the main thread is no worker
+    assert torch.initial_seed() == 1234
+
+
+class Fails(torch.utils.data.Dataset[int]):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> int:
+        if index == 7:
+            raise KeyError(f"no sample {index}")
+        return index
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_user_exception_has_the_same_type_and_message_under_threads(workers: int) -> None:
+    errors = {}
+    for backend in ("process", "thread"):
+        loader = ResumableLoader(Fails(), batch_size=2, num_workers=workers, backend=backend)
+        with pytest.raises(KeyError) as caught:
+            _epochs(loader, 1)
+        errors[backend] = caught.value
+    process, thread = errors["process"], errors["thread"]
+    assert type(process) is type(thread) and isinstance(thread, SampleFetchError)
+    for name in ("index", "position", "epoch", "batch", "worker", "rank", "cause_type"):
+        assert getattr(process, name) == getattr(thread, name), name
+    assert thread.index == 7 and thread.worker == 3 % workers and thread.pid == os.getpid()
+    assert str(process).split(" (pid")[0] == str(thread).split(" (pid")[0]
+    assert f"in worker {3 % workers} (pid" in str(thread)
+    assert _pool_threads() == []
+
+
+class Stalls(torch.utils.data.Dataset[int]):
+    release = threading.Event()
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> int:
+        if index == 5:
+            self.release.wait(20)
+        return index
+
+
+def test_timeout_raises_worker_timeout_error_naming_the_thread() -> None:
+    loader = ResumableLoader(Stalls(), batch_size=2, num_workers=2, backend="thread",
+                             timeout=0.5)
+    it = iter(loader)
+    assert [next(it).tolist() for _ in range(2)] == [[0, 1], [2, 3]]
+    with pytest.raises(WorkerTimeoutError, match="DataLoader worker 0 .* stalled") as caught:
+        next(it)
+    assert caught.value.worker == 0 and caught.value.batch == 2
+    Stalls.release.set()
+    _no_threads_after_collection()
+
+
+class SomeFail(torch.utils.data.Dataset[int]):
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, index: int) -> int:
+        if index % 6 == 1:
+            raise ValueError(f"bad {index}")
+        return index
+
+
+def test_on_error_skip_under_threads_equals_processes() -> None:
+    seen = {}
+    for backend in ("process", "thread"):
+        loader = ResumableLoader(SomeFail(), batch_size=3, shuffle=True, seed=1,
+                                 num_workers=2, backend=backend, on_error="skip")
+        seen[backend] = (_epochs(loader, 1), loader.skipped_indices, loader.num_skipped)
+    assert seen["thread"] == seen["process"]
+    assert seen["thread"][1] and seen["thread"][2] == len(seen["thread"][1])
+
+
+def test_close_joins_every_thread() -> None:
+    loader = _map_loader("thread", 3)
+    it = iter(loader)
+    next(it)
+    assert len(_pool_threads()) == 3
+    loader.close()
+    assert _pool_threads() == []
+    with _map_loader("thread", 2) as other:
+        _epochs(other, 1)
+    assert _pool_threads() == []
+
+
+def test_num_workers_0_is_the_main_process_for_every_backend() -> None:
+    for backend in BACKENDS:
+        loader = _map_loader(backend, 0)
+        assert loader.backend_in_use == "main"
+        _epochs(loader, 1)
+        assert _pool_threads() == []
+
+
+def test_the_backend_is_checked_and_shown() -> None:
+    with pytest.raises(ValueError, match=r"backend must be one of \('process', 'thread', "
+                                         r"'auto'\), got 'threads'"):
+        _map_loader("threads", 2)
+    assert "backend" not in repr(_map_loader("process", 2))
+    assert "backend='thread'" in repr(_map_loader("thread", 2))
+    auto = _map_loader("auto", 2)
+    assert auto.backend_in_use is None and "backend='auto' (measuring)" in repr(auto)
+
+
+def test_auto_switching_to_processes_mid_epoch_keeps_the_stream(
+        monkeypatch: pytest.MonkeyPatch, map_reference: dict[str, list[list[Any]]]) -> None:
+    monkeypatch.setattr(threads, "KEEP_THREADS_AT", 1e9)  # processes always win
+    loader = _map_loader("auto", 2)
+    assert _epochs(loader) == map_reference["batched"]
+    assert loader.backend_in_use == "process" and loader.worker_restarts == 0
+    assert "backend='auto' (process)" in repr(loader)
+    assert _pool_threads() == []
+    iterable = _iterable_loader("unknown", "auto", 2)
+    assert _epochs(iterable) == _epochs(_iterable_loader("unknown", "process", 2))
+    assert iterable.backend_in_use == "process"
+
+
+def test_auto_keeps_threads_for_work_that_releases_the_gil(
+        map_reference: dict[str, list[list[Any]]]) -> None:
+    loader = _map_loader("auto", 2, slow=1)  # every sample sleeps: threads overlap fully
+    loader.dataset.pause = 0.05
+    assert _epochs(loader) == map_reference["batched"]
+    assert loader.backend_in_use == "thread"
+
+
+def _unpicklable() -> Any:
+    return lambda: None
+
+
+class Unpicklable(RngDataset):
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.hook = _unpicklable()
+
+
+def test_auto_stays_on_threads_for_a_dataset_processes_cannot_receive() -> None:
+    loader = ResumableLoader(Unpicklable(8), batch_size=2, num_workers=2, backend="auto",
+                             multiprocessing_context="spawn")
+    assert loader.backend_in_use == "thread"
+    with pytest.raises(ValueError, match="cannot be pickled"):
+        ResumableLoader(Unpicklable(8), batch_size=2, num_workers=2, backend="process",
+                        multiprocessing_context="spawn")
+    threaded = ResumableLoader(Unpicklable(8), batch_size=2, num_workers=2, backend="thread",
+                               multiprocessing_context="spawn")
+    assert len(_epochs(threaded, 1)[0]) == 4
+
+
+def test_global_rngs_under_threads_are_not_reseeded_per_batch() -> None:
+    random.seed(7)
+    expected = [random.random() for _ in range(3)]
+    random.seed(7)
+    _epochs(ResumableLoader(Introspects(), batch_size=2, num_workers=2, backend="thread"), 1)
+    assert [random.random() for _ in range(3)] == expected
+
+
+def test_a_trainer_fits_and_resumes_with_threads(tmp_path: Path) -> None:
+    check_trainer_resume(lambda: _map_loader("thread", 2, n=16), tmp_path, max_epochs=2,
+                         steps=[1, 4, 5, 7])
+    assert _pool_threads() == []
+
+
+def test_threads_persist_across_epochs_unless_asked_not_to(
+        map_reference: dict[str, list[list[Any]]]) -> None:
+    loader = _map_loader("thread", 2)
+    loader.sampler.set_epoch(0)
+    list(loader)
+    first = _pool_threads()
+    loader.sampler.set_epoch(1)
+    list(loader)
+    assert _pool_threads() == first and len(first) == 2
+    loader.close()
+    once = _map_loader("thread", 2, persistent_workers=False)
+    for epoch in range(2):
+        once.sampler.set_epoch(epoch)
+        assert [to_plain(b) for b in once] == map_reference["batched"][epoch]
+        assert _pool_threads() == []
+
+
+def test_pin_memory_under_threads_without_an_accelerator_warns_and_keeps_the_stream(
+        map_reference: dict[str, list[list[Any]]]) -> None:
+    if torch.accelerator.is_available():
+        pytest.skip("checks the behaviour without an accelerator")
+    loader = _map_loader("thread", 2, pin_memory=True)
+    with pytest.warns(UserWarning, match="no accelerator"):
+        assert _epochs(loader) == map_reference["batched"]
