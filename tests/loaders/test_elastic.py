@@ -11,13 +11,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from lightning.pytorch.utilities import CombinedLoader
 
-from lightning_loaders import ResumableLoader
+from lightning_loaders import ExactResume, ResumableDataModule, ResumableLoader
 from lightning_loaders.schedule.partition_plan import deal, partition_epoch
 from lightning_loaders.schedule.shard_plan import PlanConfig
 from lightning_loaders.sources.parquet import ParquetSource
 from lightning_loaders.sources.shards import RecordFiles, write_records
 from lightning_loaders.testing import run_epochs, set_epoch
+from tests.conftest import IndexDataset
 
 LENGTHS = [9, 23, 4, 0, 15, 11, 6]  # uneven, one empty shard
 TOTAL = sum(LENGTHS)
@@ -316,3 +318,78 @@ def test_a_trainer_resumed_at_an_epoch_end_on_fewer_ranks_trains_the_next_epoch_
     step = run.per_rank
     _check_exactly_once(run, step, _trainer_resume(run, step, 3, tmp_path),
                         "Trainer, 1 rank x 3 workers")
+
+
+# -- with ExactResume, ResumableDataModule and CombinedLoader, in one process --------------------
+
+
+@pytest.fixture(scope="module")
+def parquet_source(tmp_path_factory) -> Callable[[], Any]:
+    return _write_shards("parquet", tmp_path_factory.mktemp("parquet_fit"))
+
+
+class _ElasticData(ResumableDataModule):
+    """A datamodule whose training loader is an elastic iterable with ``workers`` workers."""
+
+    def __init__(self, source: Callable[[], Any], workers: int) -> None:
+        super().__init__()
+        self.source, self.workers = source, workers
+
+    def train_dataloader(self) -> Any:
+        return _elastic(self.source, self.workers)
+
+
+def _elastic(source: Callable[[], Any], workers: int) -> ResumableLoader:
+    return ResumableLoader(source(), batch_size=3, shuffle=True, shuffle_buffer=4, seed=5,
+                           num_workers=workers)
+
+
+def _with_map_member(source: Callable[[], Any], workers: int) -> CombinedLoader:
+    """The elastic iterable (23 batches) beside a map-style member of 5, cycled."""
+    return CombinedLoader({"it": _elastic(source, workers),
+                           "map": ResumableLoader(IndexDataset(10), batch_size=2, shuffle=True,
+                                                  seed=1)}, mode="max_size_cycle")
+
+
+def _fit_key(batch: Any) -> Any:
+    if "it" in batch:
+        return [_ids(batch["it"]), batch["map"]["index"].tolist()]
+    return _ids(batch)
+
+
+@pytest.mark.parametrize("how", ["ExactResume", "ResumableDataModule", "CombinedLoader"])
+def test_a_trainer_checkpoint_under_two_workers_resumes_under_three_exactly(
+        parquet_source, tmp_path: Path, how: str) -> None:
+    """Checkpointed by a 2-worker run, resumed with 3 workers: exactly the rest of the run."""
+    from tests.lightning_harness import (
+        RecordingModule,
+        checkpoint_at,
+        every_step_checkpoints,
+        fit_recording,
+    )
+
+    def make(workers: int) -> Any:
+        if how == "ResumableDataModule":
+            return _ElasticData(parquet_source, workers)
+        if how == "CombinedLoader":
+            return _with_map_member(parquet_source, workers)
+        return _elastic(parquet_source, workers)
+
+    def fit(workers: int, callbacks: list[Any], ckpt_path: Path | None = None
+            ) -> list[tuple[int, Any]]:
+        model = RecordingModule(key=_fit_key)
+        extra = [ExactResume()] if how == "ExactResume" else []
+        fit_recording(lambda: make(workers), tmp_path, 2, [*extra, *callbacks],
+                      ckpt_path=ckpt_path, model=model)
+        return [(epoch, key) for epoch, _, key in model.seen]
+
+    directory = tmp_path / "checkpoints"
+    full = fit(2, [every_step_checkpoints(directory)])
+    per_epoch = sum(1 for epoch, _ in full if epoch == 0)
+    assert len(full) == 2 * per_epoch == 2 * -(-TOTAL // 3)
+    for epoch in range(2):
+        trained = [k[0] if how == "CombinedLoader" else k for e, k in full if e == epoch]
+        assert _exactly_once([i for ids in trained for i in ids])
+    for step in (per_epoch // 2, per_epoch, per_epoch + 3):
+        resumed = fit(3, [], checkpoint_at(directory, step))
+        assert resumed == full[step:], (how, step)
