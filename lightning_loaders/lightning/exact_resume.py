@@ -16,7 +16,9 @@ Lightning 2.6 restores where training stood, but not where validation stood:
 - A restart from the last batch of an epoch finishes that epoch in ``FitLoop.reset``
   (``loops/fit_loop.py:398-404``) but then skips the next epoch's ``on_train_epoch_start`` and
   its progress counts (``fit_loop.py:447-454``); a checkpoint written later in that epoch then
-  resumes at the epoch's first batch.
+  resumes at the epoch's first batch. Resumed on fewer ranks (an elastic iterable, with more
+  batches per rank), that checkpoint's batch count is not taken for the epoch's end at all:
+  the next epoch counts on from it and ends early.
 
 ``ExactResume`` saves, with every checkpoint, which validation is pending and the validation
 loaders' states; on restore it runs the pending validation (or the rest of it) once, before
@@ -238,6 +240,7 @@ class ExactResume(Callback):
         if (fit_loop.restarted_mid_epoch and epoch_loop.restarted_on_train_batch_end
                 and epoch_loop.batch_progress.is_last_batch):
             fit_loop.reset_restart_stage()
+            _count_as_epoch_end(epoch_loop.batch_progress.current, trainer.num_training_batches)
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -321,6 +324,20 @@ class ExactResume(Callback):
             states[j] = loaders[j].state_dict()  # its cursor is where the pass stands
             return _Pending(dataloader_idx=j, batch_idx=k, origin=origin), states
         return _Pending(dataloader_idx=j, batch_idx=k, replay=k, origin=origin), states
+
+
+def _count_as_epoch_end(current: Any, batches: float) -> None:
+    """Count a checkpoint at an epoch's last batch as that epoch's end on this layout too.
+
+    Resumed on fewer ranks (more batches per rank), the saved per-epoch count of an elastic
+    loader's epoch falls short of the new ``num_training_batches``; Lightning then takes the
+    next epoch for the rest of that one and ends it early (``loops/training_epoch_loop.py``
+    ``reset``: the count is cleared only when it reaches ``num_training_batches``). As saved
+    on the same layout: every batch handed over and done, the last not yet completed."""
+    if batches == float("inf") or current.ready >= batches:
+        return
+    current.ready = current.started = current.processed = int(batches)
+    current.completed = int(batches) - 1
 
 
 def _state(epoch: int, pending: _Pending | None, loaders: list[Any] | None) -> dict[str, Any]:
