@@ -16,7 +16,9 @@ Lightning 2.6 restores where training stood, but not where validation stood:
 - A restart from the last batch of an epoch finishes that epoch in ``FitLoop.reset``
   (``loops/fit_loop.py:398-404``) but then skips the next epoch's ``on_train_epoch_start`` and
   its progress counts (``fit_loop.py:447-454``); a checkpoint written later in that epoch then
-  resumes at the epoch's first batch.
+  resumes at the epoch's first batch. Resumed on fewer ranks (an elastic iterable, with more
+  batches per rank), that checkpoint's batch count is not taken for the epoch's end at all:
+  the next epoch counts on from it and ends early.
 
 ``ExactResume`` saves, with every checkpoint, which validation is pending and the validation
 loaders' states; on restore it runs the pending validation (or the rest of it) once, before
@@ -239,7 +241,7 @@ class ExactResume(Callback):
         if (fit_loop.restarted_mid_epoch and epoch_loop.restarted_on_train_batch_end
                 and epoch_loop.batch_progress.is_last_batch):
             fit_loop.reset_restart_stage()
-            _finish_epoch_counts(epoch_loop.batch_progress, trainer.num_training_batches)
+            _count_as_epoch_end(epoch_loop.batch_progress.current, trainer.num_training_batches)
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -325,16 +327,18 @@ class ExactResume(Callback):
         return _Pending(dataloader_idx=j, batch_idx=k, replay=k, origin=origin), states
 
 
-def _finish_epoch_counts(progress: Any, num_batches: float) -> None:
-    """Make the restored batch counts of a finished epoch read as finished under this run's
-    ``num_training_batches``: the epoch loop's reset (``training_epoch_loop.py:203-209``)
-    zeroes them only when the completed count reaches it, and after an elastic resume the
-    epoch's batch count per rank differs (a 2-rank epoch of 4 batches is 8 on one rank), so
-    the next epoch would start counted 4 batches in and stop half-way."""
-    current = progress.current
-    if num_batches != float("inf") and current.completed + 1 != num_batches:
-        current.ready = current.started = current.processed = int(num_batches)
-        current.completed = int(num_batches) - 1
+def _count_as_epoch_end(current: Any, batches: float) -> None:
+    """Count a checkpoint at an epoch's last batch as that epoch's end on this layout too.
+
+    Resumed on fewer ranks (more batches per rank), the saved per-epoch count of an elastic
+    loader's epoch falls short of the new ``num_training_batches``; Lightning then takes the
+    next epoch for the rest of that one and ends it early (``loops/training_epoch_loop.py``
+    ``reset``: the count is cleared only when it reaches ``num_training_batches``). As saved
+    on the same layout: every batch handed over and done, the last not yet completed."""
+    if batches == float("inf") or current.ready >= batches:
+        return
+    current.ready = current.started = current.processed = int(batches)
+    current.completed = int(batches) - 1
 
 
 def _state(epoch: int, pending: _Pending | None, loaders: list[Any] | None) -> dict[str, Any]:

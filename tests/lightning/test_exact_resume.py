@@ -418,18 +418,18 @@ def test_two_ranks(tmp_path: Path) -> None:
     assert sorted(validated) == sorted(list(range(12)) * 4), "each pass reads every sample once"
 
 
-@pytest.mark.parametrize("exact", [True, False], ids=["with", "without"])
 def test_a_checkpoint_at_an_epochs_last_batch_resumes_on_another_world_size(
-        tmp_path: Path, exact: bool) -> None:
+        tmp_path: Path) -> None:
     """Rank 0 of 2 (16 samples, batch 2: 4 batches per epoch) checkpoints at every step; the
     checkpoint at the epoch's last batch resumes on one rank (8 batches per epoch). Lightning
-    counts that epoch's 4 batches into the next one and stops it half-way; with ``ExactResume``
-    the next epoch is whole: every sample once."""
+    alone counts that epoch's 4 batches into the next one and stops it half-way (pinned by a
+    strict xfail in ``tests/loaders/test_elastic.py``); with ``ExactResume`` the next epoch is
+    whole: every sample once."""
     def loader(world_size: int) -> Callable[[], ResumableLoader]:
         return lambda: ResumableLoader(IndexDataset(16), batch_size=2, shuffle=True, seed=3,
                                        rank=0, world_size=world_size)
 
-    extra = [ExactResume()] if exact else []
+    extra = [ExactResume()]
     directory = tmp_path / "checkpoints"
     trainer = make_trainer(tmp_path, 2, [every_step_checkpoints(directory), *extra])
     trainer.fit(EventModule(), loader(2)())
@@ -439,7 +439,7 @@ def test_a_checkpoint_at_an_epochs_last_batch_resumes_on_another_world_size(
     resumed = [event[3] for event in model.events[len(_events(directory, 4)):]
                if event[0] == "train"]
     delivered = sorted(i for ids in resumed for i in ids)
-    assert (delivered == list(range(16))) == exact, delivered
+    assert delivered == list(range(16)), delivered
 
 
 def _events(directory: Path, step: int) -> list[Event]:

@@ -3,18 +3,23 @@ layout (ranks x workers) with nothing repeated and nothing lost."""
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
+from lightning.pytorch.utilities import CombinedLoader
 
-from lightning_loaders import ResumableLoader
+from lightning_loaders import ExactResume, ResumableDataModule, ResumableLoader
 from lightning_loaders.schedule.partition_plan import deal, partition_epoch
 from lightning_loaders.schedule.shard_plan import PlanConfig
 from lightning_loaders.sources.parquet import ParquetSource
 from lightning_loaders.sources.shards import RecordFiles, write_records
 from lightning_loaders.testing import run_epochs, set_epoch
+from tests.conftest import IndexDataset
 
 LENGTHS = [9, 23, 4, 0, 15, 11, 6]  # uneven, one empty shard
 TOTAL = sum(LENGTHS)
@@ -28,23 +33,27 @@ def _ids(batch) -> list[int]:
     return [int(i) for i in (batch["id"] if isinstance(batch, dict) else batch)]
 
 
-@pytest.fixture(scope="module", params=["records", "parquet"])
-def source_factory(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(request.param)
+def _write_shards(kind: str, root: Path) -> Callable[[], Any]:
+    """``LENGTHS`` shards of ids under ``root`` (``records`` or ``parquet``); a source factory."""
     paths, first = [], 0
     for shard, n in enumerate(LENGTHS):
         ids = list(range(first, first + n))
         first += n
-        if request.param == "records":
+        if kind == "records":
             paths.append(root / f"part{shard}.rec")
             write_records(paths[-1], [json.dumps({"id": i}).encode() for i in ids])
         else:
             paths.append(root / f"part{shard}.parquet")
             pq.write_table(pa.table({"id": pa.array(ids, pa.int64())}), paths[-1],
                            row_group_size=4)
-    if request.param == "records":
+    if kind == "records":
         return lambda: RecordFiles(paths, lengths="scan", decode=_decode)
     return lambda: ParquetSource(paths)
+
+
+@pytest.fixture(scope="module", params=["records", "parquet"])
+def source_factory(request, tmp_path_factory):
+    return _write_shards(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def _make(source_factory, rank: int, world: int, workers: int, **options):
@@ -184,3 +193,205 @@ def test_unknown_lengths_still_refuse_a_changed_layout_mid_epoch(tmp_path: Path)
     with pytest.raises(ValueError, match="canonical partitions"):
         next(iter(other))
     other.close()
+
+
+# -- under a real Trainer ---------------------------------------------------------------------
+
+
+def _exactly_once(ids: list[int]) -> bool:
+    return sorted(ids) == list(range(TOTAL))
+
+
+def _saved_loader_state(checkpoint: Path) -> dict[str, Any]:
+    """The training loader's state a Lightning checkpoint holds."""
+    import torch
+
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    (state,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    return state
+
+
+class _DdpRun(NamedTuple):
+    data: Path
+    checkpoints: Path
+    steps: list[int]  # the checkpoints resumed: mid-epoch 0, the end of epoch 0, mid-epoch 1
+    per_rank: int  # batches per rank and epoch
+    seen: list[list[tuple[int, list[int]]]]  # per rank, per step: (epoch, ids)
+    resumed: list[dict[str, list[tuple[int, list[int]]]]]  # per rank, per step: the same
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory) -> _DdpRun:
+    """One 2-rank x 2-worker DDP fit with a checkpoint at every step, and, in the same
+    launch, several of its checkpoints resumed on the 2 ranks with 0 workers."""
+    from tests.ddp_harness import REPO, run_ddp
+    from tests.scripts.elastic_ddp import EPOCHS
+
+    root = tmp_path_factory.mktemp("elastic_ddp")
+    data = root / "data"
+    data.mkdir()
+    _write_shards("parquet", data)
+    per_rank = len(ResumableLoader(ParquetSource(sorted(data.glob("*.parquet"))), batch_size=3,
+                                   rank=0, world_size=2))
+    steps = [1, per_rank // 2, per_rank, per_rank + per_rank // 2]
+    ranks = run_ddp(REPO / "tests" / "scripts" / "elastic_ddp.py",
+                    ["--data", str(data), "--workers", "2", "--resume-workers", "0",
+                     *[arg for step in steps for arg in ("--resume-step", str(step))]],
+                    root / "ddp")
+    assert [rank["rank"] for rank in ranks] == [0, 1]
+    seen = [[(epoch, ids) for epoch, ids in rank["seen"]] for rank in ranks]
+    assert len(seen[0]) == len(seen[1]) == EPOCHS * per_rank
+    resumed = [{int(step): [(epoch, ids) for epoch, ids in rest]
+                for step, rest in rank["resumes"].items()} for rank in ranks]
+    return _DdpRun(data, root / "ddp" / "checkpoints", steps, per_rank, seen, resumed)
+
+
+def _saved_loader_state(checkpoint: Path) -> dict[str, Any]:
+    """The training loader's state a Lightning checkpoint holds."""
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    (state,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    return state
+
+
+def _check_exactly_once(run: _DdpRun, step: int, rest: list[tuple[int, int]], layout: str
+                        ) -> None:
+    """What the ranks trained on before checkpoint ``step``, plus ``rest`` (``(epoch, id)``
+    pairs trained after resuming it), hold every id once in each epoch."""
+    from tests.scripts.elastic_ddp import EPOCHS
+
+    done = [(e, i) for rank in run.seen for e, ids in rank[:step] for i in ids]
+    for epoch in range(EPOCHS):
+        ids = [i for e, i in done + rest if e == epoch]
+        assert _exactly_once(ids), (step, layout, epoch, sorted(Counter(ids).items()))
+
+
+def _trainer_resume(run: _DdpRun, step: int, workers: int, root: Path,
+                    callbacks: tuple[Any, ...] = ()) -> list[tuple[int, int]]:
+    """``(epoch, id)`` pairs a 1-rank ``Trainer`` trains on, resumed from checkpoint ``step``."""
+    from tests.lightning_harness import RecordingModule, checkpoint_at, fit_recording
+    from tests.scripts.elastic_ddp import EPOCHS, make_loader, sample_ids
+
+    model = RecordingModule(key=sample_ids)
+    fit_recording(lambda: make_loader(run.data, workers), root, EPOCHS, callbacks,
+                  ckpt_path=checkpoint_at(run.checkpoints, step), model=model)
+    return [(e, i) for e, _, ids in model.seen for i in ids]
+
+
+def test_ddp_checkpoints_resume_exactly_once_on_one_rank_and_on_two_without_workers(
+        ddp_run: _DdpRun, tmp_path: Path) -> None:
+    """Each resumed checkpoint of the 2 x 2 DDP fit, on 1 rank x 3 workers here (the loader
+    from the checkpoint's state, and a ``Trainer`` from the checkpoint) and on 2 ranks x 0
+    workers (in the launch): every epoch exactly once."""
+    from tests.lightning_harness import checkpoint_at
+    from tests.scripts.elastic_ddp import EPOCHS, make_loader, sample_ids
+
+    run = ddp_run
+    for epoch in range(EPOCHS):
+        assert _exactly_once([i for rank in run.seen for e, ids in rank for i in ids
+                              if e == epoch])
+    for step in run.steps:
+        loader = make_loader(run.data, 3)
+        loader.load_state_dict(_saved_loader_state(checkpoint_at(run.checkpoints, step)))
+        # the epochs as Lightning numbers them after the resume
+        epochs = range(run.seen[0][step][0], EPOCHS)
+        one = [(e, i) for e in epochs for batch in run_epochs(loader, [e], key=sample_ids)[0]
+               for i in batch]
+        loader.close()
+        _check_exactly_once(run, step, one, "loader, 1 rank x 3 workers")
+        two = [(e, i) for rank in run.resumed for e, ids in rank[step] for i in ids]
+        _check_exactly_once(run, step, two, "Trainer, 2 ranks x 0 workers")
+        # the same world size continues the very stream, whatever the number of workers
+        assert [rank[step] for rank in run.resumed] == [rank[step:] for rank in run.seen]
+        # at an epoch's end, Lightning alone miscounts the next epoch (the xfail test below)
+        callbacks = () if step % run.per_rank else (ExactResume(),)
+        trained = _trainer_resume(run, step, 3, tmp_path / f"one-{step}", callbacks)
+        _check_exactly_once(run, step, trained, "Trainer, 1 rank x 3 workers")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Lightning 2.6: a checkpoint at an epoch's last batch keeps that epoch's per-rank batch "
+    "count (12 on 2 ranks); resumed on 1 rank, whose epoch has 23 batches, Lightning does not "
+    "see the epoch ended and counts the next one from 12, so it ends it after 11 batches "
+    "(training_epoch_loop.reset compares the count with the new num_training_batches). "
+    "ExactResume counts such a checkpoint as the epoch's end (the test above)."))
+def test_a_trainer_resumed_at_an_epoch_end_on_fewer_ranks_trains_the_next_epoch_whole(
+        ddp_run: _DdpRun, tmp_path: Path) -> None:
+    run = ddp_run
+    step = run.per_rank
+    _check_exactly_once(run, step, _trainer_resume(run, step, 3, tmp_path),
+                        "Trainer, 1 rank x 3 workers")
+
+
+# -- with ExactResume, ResumableDataModule and CombinedLoader, in one process --------------------
+
+
+@pytest.fixture(scope="module")
+def parquet_source(tmp_path_factory) -> Callable[[], Any]:
+    return _write_shards("parquet", tmp_path_factory.mktemp("parquet_fit"))
+
+
+class _ElasticData(ResumableDataModule):
+    """A datamodule whose training loader is an elastic iterable with ``workers`` workers."""
+
+    def __init__(self, source: Callable[[], Any], workers: int) -> None:
+        super().__init__()
+        self.source, self.workers = source, workers
+
+    def train_dataloader(self) -> Any:
+        return _elastic(self.source, self.workers)
+
+
+def _elastic(source: Callable[[], Any], workers: int) -> ResumableLoader:
+    return ResumableLoader(source(), batch_size=3, shuffle=True, shuffle_buffer=4, seed=5,
+                           num_workers=workers)
+
+
+def _with_map_member(source: Callable[[], Any], workers: int) -> CombinedLoader:
+    """The elastic iterable (23 batches) beside a map-style member of 5, cycled."""
+    return CombinedLoader({"it": _elastic(source, workers),
+                           "map": ResumableLoader(IndexDataset(10), batch_size=2, shuffle=True,
+                                                  seed=1)}, mode="max_size_cycle")
+
+
+def _fit_key(batch: Any) -> Any:
+    if "it" in batch:
+        return [_ids(batch["it"]), batch["map"]["index"].tolist()]
+    return _ids(batch)
+
+
+@pytest.mark.parametrize("how", ["ExactResume", "ResumableDataModule", "CombinedLoader"])
+def test_a_trainer_checkpoint_under_two_workers_resumes_under_three_exactly(
+        parquet_source, tmp_path: Path, how: str) -> None:
+    """Checkpointed by a 2-worker run, resumed with 3 workers: exactly the rest of the run."""
+    from tests.lightning_harness import (
+        RecordingModule,
+        checkpoint_at,
+        every_step_checkpoints,
+        fit_recording,
+    )
+
+    def make(workers: int) -> Any:
+        if how == "ResumableDataModule":
+            return _ElasticData(parquet_source, workers)
+        if how == "CombinedLoader":
+            return _with_map_member(parquet_source, workers)
+        return _elastic(parquet_source, workers)
+
+    def fit(workers: int, callbacks: list[Any], ckpt_path: Path | None = None
+            ) -> list[tuple[int, Any]]:
+        model = RecordingModule(key=_fit_key)
+        extra = [ExactResume()] if how == "ExactResume" else []
+        fit_recording(lambda: make(workers), tmp_path, 2, [*extra, *callbacks],
+                      ckpt_path=ckpt_path, model=model)
+        return [(epoch, key) for epoch, _, key in model.seen]
+
+    directory = tmp_path / "checkpoints"
+    full = fit(2, [every_step_checkpoints(directory)])
+    per_epoch = sum(1 for epoch, _ in full if epoch == 0)
+    assert len(full) == 2 * per_epoch == 2 * -(-TOTAL // 3)
+    for epoch in range(2):
+        trained = [k[0] if how == "CombinedLoader" else k for e, k in full if e == epoch]
+        assert _exactly_once([i for ids in trained for i in ids])
+    for step in (per_epoch // 2, per_epoch, per_epoch + 3):
+        resumed = fit(3, [], checkpoint_at(directory, step))
+        assert resumed == full[step:], (how, step)

@@ -33,6 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 MAP_SIZE, MAP_BATCH = 96, 4
 SHARD_SIZE = 16
+SLOW_EVERY, SLOW_SECONDS = 8, 0.04  # ``out_of_order``: every 8th sample costs 40 ms
 
 
 # -- the tests' side ----------------------------------------------------------------------
@@ -143,9 +144,30 @@ def _child(request: dict[str, Any]) -> int:
     return 0
 
 
-CONFIGURATIONS = ("map", "iterable")
+CONFIGURATIONS = ("map", "iterable", "out_of_order")
 """What a child can train on: ``map``, a shuffled map-style ``ResumableLoader``; ``iterable``, a
-sharded iterable source (shuffled shards and a shuffle buffer); both with worker processes."""
+sharded iterable source (shuffled shards and a shuffle buffer); ``out_of_order``, a shuffled
+map-style ``ResumableLoader(in_order=False)`` over ``UnevenCost`` samples, whose batches arrive
+as the workers finish them; all with worker processes."""
+
+ORDERED = ("map", "iterable")
+"""The configurations whose batches arrive in plan order (the others: any order)."""
+
+
+class UnevenCost:
+    """A map-style dataset of ``n`` samples (sample ``i`` is ``i``) fetched one by one, every
+    ``SLOW_EVERY``-th costing ``SLOW_SECONDS``: batches holding one finish after later ones."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        if index % SLOW_EVERY == 0:
+            time.sleep(SLOW_SECONDS)
+        return index
 
 
 def make_loader(kind: str, num_workers: int) -> Any:
@@ -162,6 +184,9 @@ def make_loader(kind: str, num_workers: int) -> Any:
         shards = [list(range(s, s + SHARD_SIZE)) for s in range(0, MAP_SIZE, SHARD_SIZE)]
         return ResumableLoader(SequenceSource(shards), batch_size=MAP_BATCH, shuffle=True,
                                seed=7, num_workers=num_workers, shuffle_buffer=8)
+    if kind == "out_of_order":
+        return ResumableLoader(UnevenCost(MAP_SIZE), batch_size=MAP_BATCH, shuffle=True, seed=7,
+                               num_workers=num_workers, in_order=False)
     raise ValueError(f"unknown chaos configuration {kind!r}: use one of {CONFIGURATIONS}")
 
 
