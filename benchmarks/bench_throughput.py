@@ -17,10 +17,11 @@ as ``backend="thread"`` before that argument exists) is left out and named in th
 Memory is the peak over the epoch of the proportional set size (PSS) summed over the main
 process and all its child processes: a page shared by ``k`` processes counts ``1/k`` in each,
 so pages that forked workers share with the main process are not counted twice (a sum of RSS
-would). A background thread samples it: for numpy and jpeg in an epoch of its own before the
-timed ones (in the benchmark's process); for dicts, every epoch runs in a new process (forked
-from a fork server that has imported torch and the loaders, whose PSS is counted too) so that
-no other process holds the records, and is timed while the sampler runs.
+would). A background thread samples it, in an untimed epoch of each contender.
+
+Every epoch runs in a new process, forked from a fork server that has imported torch and the
+loaders but holds no data (its PSS is counted too, for the imported pages it shares), so that
+no epoch inherits the memory or the threads of another.
 
 Besides the table, ``run`` writes ``throughput.png``: a panel per workload, every row's
 fraction of the limit.
@@ -395,94 +396,95 @@ class _Measured:
     check: str = ""
 
 
-def _measure(workload: Workload, contenders: Sequence[Contender], settings: Settings,
-             ) -> dict[str, _Measured]:
-    """One epoch of every contender with the memory sampler on and the samples checked against
-    the serial epoch (which also warms the file cache and imports), then interleaved timed
-    epochs of every contender."""
-    measured = {c.name: _Measured() for c in contenders}
-    reference: np.ndarray | None = None
-    for contender in contenders:  # SERIAL comes first
-        with PeakMemory() as memory:
+@dataclass(frozen=True, kw_only=True)
+class _Spec:
+    """What a child process rebuilds its workload from: ``kind`` is ``"numpy"``, ``"jpeg"``
+    (the JPEG files in ``directory``) or ``"dicts"``."""
+
+    kind: str
+    samples: int
+    directory: str = ""
+
+
+def _workload(spec: _Spec) -> Workload:
+    if spec.kind == "numpy":
+        return Workload(name="numpy", dataset=TransformDataset(spec.samples), batch_size=32,
+                        fingerprint=_tensor_fingerprint)
+    if spec.kind == "jpeg":
+        paths = sorted(str(path) for path in Path(spec.directory).glob("*.jpg"))
+        return Workload(name="jpeg", dataset=JpegResize(paths), batch_size=32,
+                        fingerprint=_tensor_fingerprint)
+    return Workload(name="dicts", dataset=RecordDataset(make_records(spec.samples)),
+                    batch_size=256, fingerprint=_record_fingerprint)
+
+
+def _child_epoch(spec: _Spec, name: str, sample_memory: bool, connection: Any) -> None:
+    """In a new process (a child of the fork server, which has imported torch and the loaders
+    but holds no data): build the workload, read one epoch of contender ``name`` (with the
+    memory sampler on, counting the fork server's PSS too for the imported pages it shares, and
+    the samples' fingerprints), send the result."""
+    multiprocessing.set_start_method("fork", force=True)  # workers fork, as from a main process
+    contender = {c.name: c for c in _contenders(list(CONTENDERS))}[name]
+    workload = _workload(spec)
+    result: dict[str, Any] = {}
+    if sample_memory:
+        with PeakMemory(also=[os.getppid()]) as memory:
             epoch = _epoch(contender, workload, memory)
-        prints = np.concatenate(epoch.fingerprint)
-        reference = prints if reference is None else reference
-        mine = measured[contender.name]
-        mine.peak_pss, mine.peak_rss = memory.peak_pss, memory.peak_rss
-        mine.samples.add(epoch.samples)
-        mine.check = _same_samples(reference, prints, contender.ordered)
-
-    def case(contender: Contender) -> Callable[[], float]:
-        def timed() -> float:
-            epoch = _epoch(contender, workload)
-            mine = measured[contender.name]
-            mine.seconds.append(epoch.seconds)
-            mine.first_batch.append(epoch.first_batch)
-            mine.samples.add(epoch.samples)
-            return epoch.seconds
-        return timed
-
-    interleaved({c.name: case(c) for c in contenders}, settings.repeats,
-                f"throughput {workload.name}", settings)
-    return measured
-
-
-# -- the dicts workload, one process per contender ----------------------------------------
-
-
-def _dict_case(name: str, n: int, batch_size: int, connection: Any) -> None:
-    """In a process of its own (a child of the fork server, which has imported torch and the
-    loaders but holds no data): build the records, read one epoch with the memory sampler on
-    (the fork server's PSS counted too, for the imported pages it shares), send the result."""
-    multiprocessing.set_start_method("fork", force=True)  # the workers fork, as in the main
-    contenders = {c.name: c for c in _contenders(DICT_PEERS)}
-    workload = _dicts_workload(n, batch_size)
-    with PeakMemory(also=[os.getppid()]) as memory:
-        epoch = _epoch(contenders[name], workload, memory)
-    connection.send({"seconds": epoch.seconds, "first_batch": epoch.first_batch,
-                     "samples": epoch.samples, "peak_pss": memory.peak_pss,
-                     "peak_rss": memory.peak_rss,
-                     "fingerprint": np.concatenate(epoch.fingerprint)})
+        result.update(peak_pss=memory.peak_pss, peak_rss=memory.peak_rss,
+                      fingerprint=np.concatenate(epoch.fingerprint))
+    else:
+        epoch = _epoch(contender, workload)
+    result.update(seconds=epoch.seconds, first_batch=epoch.first_batch, samples=epoch.samples)
+    connection.send(result)
     connection.close()
 
 
-def _dicts_workload(n: int, batch_size: int) -> Workload:
-    return Workload(name="dicts", dataset=RecordDataset(make_records(n)), batch_size=batch_size,
-                    fingerprint=_record_fingerprint)
-
-
-def _measure_dicts(n: int, batch_size: int, names: Sequence[str], ordered: dict[str, bool],
-                   repeats: int, settings: Settings) -> dict[str, _Measured]:
-    """Each contender's epochs, each in a new process forked from a fork server (so that no
-    process but the one measured holds the records); interleaved repetitions."""
+def _in_child(spec: _Spec, name: str, sample_memory: bool) -> dict[str, Any]:
+    """``_child_epoch`` in a new process forked from a fork server; its result."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "lightning_loaders", "benchmarks.bench_throughput"])
     # by its importable name, also when this module runs as __main__
-    target = importlib.import_module("benchmarks.bench_throughput")._dict_case
-    measured = {name: _Measured() for name in names}
-    prints: dict[str, np.ndarray] = {}
+    target = importlib.import_module("benchmarks.bench_throughput")._child_epoch
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=target, args=(spec, name, sample_memory, send))
+    process.start()
+    send.close()
+    try:
+        return dict(receive.recv())
+    except EOFError:
+        raise RuntimeError(f"the epoch of {name!r} on {spec.kind} failed in its process "
+                           f"(exit code {process.exitcode}); its error is above") from None
+    finally:
+        process.join()
 
-    def case(name: str) -> Callable[[], float]:
-        def run_case() -> float:
-            receive, send = context.Pipe(duplex=False)
-            process = context.Process(target=target, args=(name, n, batch_size, send))
-            process.start()
-            send.close()
-            result = receive.recv()
-            process.join()
-            mine = measured[name]
+
+def _measure(spec: _Spec, contenders: Sequence[Contender], repeats: int, settings: Settings,
+             ) -> dict[str, _Measured]:
+    """Every epoch in a new process: first one per contender with the memory sampler on and
+    the samples checked against the serial epoch (which also warms the file cache), then
+    ``repeats`` interleaved timed ones per contender."""
+    measured = {c.name: _Measured() for c in contenders}
+    reference: np.ndarray | None = None
+    for contender in contenders:  # SERIAL comes first
+        result = _in_child(spec, contender.name, sample_memory=True)
+        reference = result["fingerprint"] if reference is None else reference
+        mine = measured[contender.name]
+        mine.peak_pss, mine.peak_rss = result["peak_pss"], result["peak_rss"]
+        mine.samples.add(result["samples"])
+        mine.check = _same_samples(reference, result["fingerprint"], contender.ordered)
+
+    def case(contender: Contender) -> Callable[[], float]:
+        def timed() -> float:
+            result = _in_child(spec, contender.name, sample_memory=False)
+            mine = measured[contender.name]
             mine.seconds.append(result["seconds"])
             mine.first_batch.append(result["first_batch"])
             mine.samples.add(result["samples"])
-            mine.peak_pss = max(mine.peak_pss, result["peak_pss"])
-            mine.peak_rss = max(mine.peak_rss, result["peak_rss"])
-            prints[name] = result["fingerprint"]
             return float(result["seconds"])
-        return run_case
+        return timed
 
-    interleaved({name: case(name) for name in names}, repeats, "throughput dicts", settings)
-    for name in names:
-        measured[name].check = _same_samples(prints[SERIAL], prints[name], ordered[name])
+    interleaved({c.name: case(c) for c in contenders}, repeats, f"throughput {spec.kind}",
+                settings)
     return measured
 
 
@@ -571,23 +573,21 @@ def run(settings: Settings, numpy_samples: int | None = None, jpeg_samples: int 
                      f"run, on {cores} cores.")
 
     n = numpy_samples or settings.pick(128, 4096)
-    numpy_work = Workload(name="numpy", dataset=TransformDataset(n), batch_size=32,
-                          fingerprint=_tensor_fingerprint)
-    section(numpy_work.name, _measure(numpy_work, contenders, settings), n)
+    section("numpy", _measure(_Spec(kind="numpy", samples=n), contenders, settings.repeats,
+                              settings), n)
 
     n = jpeg_samples or settings.pick(64, 2048)
     with tempfile.TemporaryDirectory(prefix="ll-bench-throughput-") as directory:
-        jpeg = Workload(name="jpeg", dataset=JpegResize(write_jpegs(Path(directory), n, 224)),
-                        batch_size=32, fingerprint=_tensor_fingerprint)
-        section(jpeg.name, _measure(jpeg, contenders, settings), n)
+        write_jpegs(Path(directory), n, 224)
+        section("jpeg", _measure(_Spec(kind="jpeg", samples=n, directory=directory),
+                                 contenders, settings.repeats, settings), n)
 
     n = dict_samples or settings.pick(20_000, 1_000_000)
+    dict_repeats = max(1, settings.repeats // 3)
     dict_contenders = _contenders([name for name in DICT_PEERS
                                    if not (settings.quick and name in QUICK_SKIPS)])
-    dict_repeats = max(1, settings.repeats // 3)
-    dicts = _measure_dicts(n, 256, [c.name for c in dict_contenders],
-                           {c.name: c.ordered for c in dict_contenders}, dict_repeats, settings)
-    section("dicts", dicts, n)
+    section("dicts", _measure(_Spec(kind="dicts", samples=n), dict_contenders, dict_repeats,
+                              settings), n)
 
     notes[:0] = [
         f"Limit: one core's serial epoch (the main process calls __getitem__ and default_collate, "
@@ -596,13 +596,13 @@ def run(settings: Settings, numpy_samples: int | None = None, jpeg_samples: int 
         "SPDL configuration): medians over repetitions of each repetition's ratio of epoch "
         "times; above 1.0 the row is faster.",
         f"An epoch: a new loader built, iterated to its last batch (worker start-up included, "
-        f"shutdown not), not shuffled; numpy and jpeg: {settings.repeats} interleaved "
-        f"repetitions, after one epoch per row with the memory sampler on and the samples "
-        f"checked; dicts ({dict_repeats} repetitions): every epoch in a new process forked from a "
-        "fork server, timed while the memory sampler runs.",
-        "Memory: peak over the epoch of the PSS summed over the main process and its children "
-        "(and, for dicts, the fork server, whose imported pages the case shares): pages shared "
-        "after fork count once in total. 'peak RSS sum' counts them in every process.",
+        f"shutdown not), not shuffled, in a new process forked from a fork server that has "
+        f"imported torch and the loaders (so that no epoch inherits another's memory): one "
+        f"per row with the memory sampler on and the samples checked, then interleaved timed "
+        f"ones, {settings.repeats} per row (dicts: {dict_repeats}).",
+        "Memory: peak over the epoch of the PSS summed over the epoch's process, its children "
+        "and the fork server (whose imported pages they share): pages shared after fork count "
+        "once in total. 'peak RSS sum' counts them in every process.",
         "SPDL 0.8: spdl.io cannot decode images here (no FFmpeg libraries), so its pipelines run "
         "the same Pillow code on threads: per sample (pipe(__getitem__, concurrency=N)"
         ".aggregate(32).pipe(default_collate)) or per batch (one task fetches and collates a "
