@@ -30,3 +30,18 @@ def test_every_benchmark_writes_its_table_and_plot(tmp_path: Path) -> None:
         assert table.count("\n|") >= 3, f"{name}: no rows in\n{table}"
         assert table in summary
         assert (tmp_path / f"{name}.png").stat().st_size > 0
+
+
+def test_throughput_contenders_deliver_the_same_samples(tmp_path: Path) -> None:
+    from benchmarks.bench_throughput import run
+    from benchmarks.common import Settings
+
+    report = run(Settings(quick=True, repeats=1, results_dir=tmp_path, progress=False),
+                 numpy_samples=64, jpeg_samples=32, dict_samples=2_000)
+    rows = [row for row in report.rows if "same samples as serial" in row]
+    assert {row["workload"] for row in rows} == {"numpy", "jpeg", "dicts"}
+    for row in rows:
+        assert row["same samples as serial"].startswith("yes"), row
+        assert row["peak PSS, all processes (MiB)"] > 0, row
+        if row["loader"].startswith(("ours", "DataLoader")):
+            assert row["same samples as serial"] == "yes, in order", row
