@@ -11,8 +11,7 @@ order is defined and checked):
 The limit of a workload is one core's serial time for the epoch (the main process calls
 ``__getitem__`` and ``default_collate`` itself, no loader) divided by the cores this process
 may use: no loader can beat it. Every contender is a named factory in ``CONTENDERS``; ours
-are listed in ``OURS``, and a configuration that ``ResumableLoader`` does not accept yet (such
-as ``backend="thread"`` before that argument exists) is left out and named in the notes.
+are listed in ``OURS``.
 
 Memory is the peak over the epoch of the proportional set size (PSS) summed over the main
 process and all its child processes: a page shared by ``k`` processes counts ``1/k`` in each,
@@ -30,7 +29,6 @@ fraction of the limit.
 from __future__ import annotations
 
 import importlib
-import inspect
 import multiprocessing
 import os
 import sys
@@ -68,13 +66,12 @@ DATALOADER_FAMILY = "DataLoader"
 SPDL_FAMILY = "SPDL"
 
 # Our loader's configurations: (row name, ResumableLoader keyword arguments other than the
-# dataset, batch_size and shuffle). backend="process" is what a ResumableLoader without a
-# backend argument does, so it is dropped where the argument does not exist yet; a row with any
-# other argument ResumableLoader does not accept is left out (and named in the notes).
+# dataset, batch_size and shuffle).
 OURS: list[tuple[str, dict[str, Any]]] = [
     ("ours, 0 workers", {"num_workers": 0}),
     ("ours, process, 2 workers", {"backend": "process", "num_workers": WORKERS}),
     ("ours, thread, 2 workers", {"backend": "thread", "num_workers": WORKERS}),
+    ("ours, auto backend, 2 workers", {"backend": "auto", "num_workers": WORKERS}),
     ("ours, auto", {"backend": "auto", "num_workers": "auto"}),
 ]
 
@@ -247,22 +244,9 @@ def _ours(kwargs: dict[str, Any]) -> Callable[[Workload], Iterable[Any]]:
     return build
 
 
-def ours_contenders() -> tuple[list[Contender], list[str]]:
-    """``OURS`` as contenders, and the names of the rows ``ResumableLoader`` cannot build yet
-    (an argument its signature lacks)."""
-    from lightning_loaders import ResumableLoader
-
-    accepted = set(inspect.signature(ResumableLoader.__init__).parameters)
-    built, skipped = [], []
-    for name, kwargs in OURS:
-        kwargs = dict(kwargs)
-        if "backend" not in accepted and kwargs.get("backend") == "process":
-            del kwargs["backend"]
-        if set(kwargs) <= accepted:
-            built.append(Contender(name=name, family="ours", build=_ours(kwargs)))
-        else:
-            skipped.append(name)
-    return built, skipped
+def ours_contenders() -> list[Contender]:
+    """``OURS`` as contenders."""
+    return [Contender(name=name, family="ours", build=_ours(kwargs)) for name, kwargs in OURS]
 
 
 # name -> contender, for the peers; per workload, ``_contenders`` adds ours
@@ -492,8 +476,7 @@ def _measure(spec: _Spec, contenders: Sequence[Contender], repeats: int, setting
 
 
 def _contenders(peers: Sequence[str]) -> list[Contender]:
-    ours, _ = ours_contenders()
-    return [CONTENDERS[name] for name in peers] + ours
+    return [CONTENDERS[name] for name in peers] + ours_contenders()
 
 
 def _rows(workload: str, measured: dict[str, _Measured], families: dict[str, str],
@@ -563,7 +546,6 @@ def run(settings: Settings, numpy_samples: int | None = None, jpeg_samples: int 
     contenders = _contenders([name for name in CONTENDERS
                               if not (settings.quick and name in QUICK_SKIPS)])
     families = {c.name: c.family for c in contenders}
-    _, skipped = ours_contenders()
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
 
@@ -608,9 +590,6 @@ def run(settings: Settings, numpy_samples: int | None = None, jpeg_samples: int 
         ".aggregate(32).pipe(default_collate)) or per batch (one task fetches and collates a "
         "batch), with N threads; 'SPDL, 2 processes' is spdl.dataloader.get_pytorch_dataloader.",
     ]
-    if skipped:
-        notes.append("Not built (ResumableLoader does not accept their arguments yet): "
-                     + ", ".join(skipped) + ".")
     title = ("Throughput against the limit (one core's serial epoch / cores) and every peer, "
              "with peak memory")
     # rows of three workloads make one bar chart unreadable: a panel per workload instead
