@@ -38,6 +38,7 @@ from lightning_loaders.loaders.delivery import SizedEpochSampler
 from lightning_loaders.loaders.out_of_order import (
     WINDOW,
     DeliveredWindow,
+    WindowedRequests,
     not_delivered,
     rank_entry,
 )
@@ -406,38 +407,10 @@ class _RequestSampler(Sampler[BatchRequest]):
 
     def __iter__(self) -> Iterator[BatchRequest]:
         requests = not_delivered(self._schedule.requests(), frozenset(self._window.ahead))
-        return _WindowedRequests(requests, self._schedule, self._limit) if self._limit else requests
+        return WindowedRequests(requests, self._schedule, self._limit) if self._limit else requests
 
     def __len__(self) -> int:
         return self._schedule.remaining - len(self._window.ahead)
-
-
-class _WindowedRequests:
-    """Requests that are ``ready()`` (the workers' iterator asks) only while the next one is
-    less than ``limit`` batches past the first undelivered batch: with out-of-order delivery,
-    a fast worker cannot run away from a slow one, so the batches delivered past the cursor
-    stay fewer than ``limit``."""
-
-    def __init__(self, requests: Iterator[BatchRequest], schedule: MapSchedule,
-                 limit: int) -> None:
-        self._requests = requests
-        self._schedule = schedule
-        self._limit = limit
-        self._next: BatchRequest | None = None
-
-    def __iter__(self) -> _WindowedRequests:
-        return self
-
-    def __next__(self) -> BatchRequest:
-        request, self._next = self._next, None
-        return next(self._requests) if request is None else request
-
-    def ready(self) -> bool:
-        if self._next is None:
-            self._next = next(self._requests, None)
-            if self._next is None:
-                return True
-        return self._next.batch < self._schedule.batches + self._limit
 
 
 def _unbatched(options: LoaderOptions, dataset_len: int, seed: int

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from lightning_loaders import ResumableLoader, StateMismatchError
+from lightning_loaders.sources.shards import GeneratorSource, SequenceSource, ShardedSource
 from lightning_loaders.testing import checkpoint_roundtrip
 
 BATCH = 2
@@ -211,3 +212,154 @@ def test_ddp_checkpoints_hold_every_ranks_window_and_resume_each_rank(tmp_path: 
             done = Counter(tuple(b) for e, _, b in before["seen"][:step] if e == epoch)
             rest = Counter(tuple(b) for e, _, b in after["seen"] if e == epoch)
             assert done + rest == whole, (before["rank"], epoch)
+
+
+# -- iterable datasets planned over canonical partitions -------------------------------------
+
+
+class GatedShards(ShardedSource[int]):
+    """``shards`` shards of ``size`` samples (sample ``i`` is ``i``); the samples in ``gated``
+    wait until the file ``gate`` exists (the shards open mid-shard at ``start``)."""
+
+    def __init__(self, gate: str, gated: frozenset[int], shards: int = 4, size: int = 6) -> None:
+        self.gate, self.gated, self.size = gate, gated, size
+        self._shards = list(range(shards))
+
+    @property
+    def shards(self) -> list[int]:
+        return self._shards
+
+    @property
+    def shard_lengths(self) -> list[int]:
+        return [self.size] * len(self._shards)
+
+    def open_shard(self, index: int, start: int = 0, state=None):
+        for i in range(index * self.size + start, (index + 1) * self.size):
+            if i in self.gated:
+                Gated(0, self.gate, frozenset({i}))[i]
+            yield i
+
+
+def _iterable_plan(epoch: int, rank: int = 0, world: int = 1, shards: int = 4
+                   ) -> list[tuple[int, ...]]:
+    loader = ResumableLoader(GatedShards("", frozenset(), shards), batch_size=BATCH, seed=5,
+                             shuffle=True, rank=rank, world_size=world, partitions=2 * world)
+    loader.set_epoch(epoch)
+    return [tuple(b.tolist()) for b in loader]
+
+
+def _make_iterable(gate: Path, in_order: bool = False, **kwargs) -> ResumableLoader:
+    first = _iterable_plan(0)[0][0]  # the first batch of epoch 0 waits for the gate
+    source = GatedShards(str(gate), frozenset({first}))
+    return ResumableLoader(source, batch_size=BATCH, num_workers=2, in_order=in_order, seed=5,
+                           shuffle=True, **kwargs)
+
+
+def _epochs(loader: ResumableLoader, gate: Path, epochs: range, states: list | None = None
+            ) -> list[list[tuple[int, ...]]]:
+    """The batches of each epoch in ``epochs``; the gate opens after 2 batches; ``states``
+    gets ``(epoch, batches so far, state)`` after every batch."""
+    out = []
+    for epoch in epochs:
+        loader.set_epoch(epoch)
+        got: list[tuple[int, ...]] = []
+        for batch in loader:
+            got.append(tuple(batch.tolist()))
+            if len(got) == 2:
+                gate.touch()
+            if states is not None:
+                states.append((epoch, len(got), checkpoint_roundtrip(loader.state_dict())))
+        out.append(got)
+    return out
+
+
+def test_iterable_batches_arrive_out_of_order_and_each_once(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    loader = _make_iterable(gate)
+    assert "in_order=False" in repr(loader)
+    got = _epochs(loader, gate, range(2))
+    plans = [_iterable_plan(epoch) for epoch in range(2)]
+    for epoch in range(2):
+        assert Counter(got[epoch]) == Counter(plans[epoch]) and len(got[epoch]) == len(loader)
+    assert got[0] != plans[0] and got[0][0] != plans[0][0]  # the gated first batch came later
+    gate.unlink()  # in order, the gated first batch comes first whatever the workers do
+    assert _epochs(_make_iterable(gate, in_order=True), gate, range(1)) == plans[:1]
+
+
+def _check_resumes(make, gate: Path, states: list, full: list, plans: list) -> None:
+    """Resume from every state: per epoch, the batches before and after are the plan."""
+    for epoch, count, state in states:
+        resumed = make()
+        resumed.load_state_dict(state)
+        start = epoch + 1 if count == len(full[epoch]) else epoch
+        rest = range(start, len(plans))
+        after = dict(zip(rest, _epochs(resumed, gate, rest), strict=True))
+        for e, plan in enumerate(plans):
+            before = full[e] if e < epoch else full[e][:count] if e == epoch else []
+            assert Counter(before) + Counter(after.get(e, [])) == Counter(plan), (epoch, count)
+
+
+def test_iterable_resume_from_every_step_delivers_exactly_the_rest(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    states: list = []
+    full = _epochs(_make_iterable(gate), gate, range(2), states)
+    window = 2 * 2  # num_workers * prefetch_factor
+    for _, _, state in states:
+        frontier, ahead = state["parts"]["window"]["ranks"][0]
+        assert state["batches"] == frontier and len(ahead) < window, state
+        assert all(b > frontier for b in ahead)
+    assert any(state["parts"]["window"]["ranks"][0][1] for _, _, state in states)
+    _check_resumes(lambda: _make_iterable(gate), gate, states, full,
+                   [_iterable_plan(epoch) for epoch in range(2)])
+
+
+def test_iterable_states_cross_between_in_order_and_out_of_order(tmp_path: Path) -> None:
+    """An out-of-order state resumes in order (the batches past its frontier are skipped), and
+    an in-order state resumes out of order (none past its cursor was delivered)."""
+    gate = tmp_path / "gate"
+    plans = [_iterable_plan(epoch) for epoch in range(2)]
+    states: list = []
+    full = _epochs(_make_iterable(gate), gate, range(2), states)
+    ahead = [s for s in states if s[2]["parts"]["window"]["ranks"][0][1]]
+    _check_resumes(lambda: _make_iterable(gate, in_order=True), gate, ahead, full, plans)
+    # an in-order loader that resumed a window saves it until that epoch ends
+    resumed = _make_iterable(gate, in_order=True)
+    resumed.load_state_dict(ahead[0][2])
+    assert resumed.state_dict()["parts"]["window"] == ahead[0][2]["parts"]["window"]
+    ordered: list = []
+    full = _epochs(_make_iterable(gate, in_order=True), gate, range(2), ordered)
+    assert full == plans and all("window" not in s["parts"] for _, _, s in ordered)
+    _check_resumes(lambda: _make_iterable(gate), gate, ordered[::3], full, plans)
+
+
+def test_iterable_window_refuses_another_world_size_and_corruption(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    states: list = []
+    _epochs(_make_iterable(gate), gate, range(1), states)
+    ahead = next(s for _, _, s in states if s["parts"]["window"]["ranks"][0][1])
+    with pytest.raises(StateMismatchError, match="cannot resume on 2"):
+        _make_iterable(gate, rank=0, world_size=2).load_state_dict(ahead)
+    corrupted = {**ahead, "parts": {**ahead["parts"], "window": {"ranks": [[0, [99]]]}}}
+    with pytest.raises(StateMismatchError, match="corrupted"):
+        _make_iterable(gate).load_state_dict(corrupted)
+    # at a frontier with nothing ahead, another world size deals the rest of the epoch anew
+    plain = next(s for _, _, s in states if not s["parts"]["window"]["ranks"][0][1])
+    _make_iterable(gate, rank=0, world_size=2).load_state_dict(plain)
+
+
+class _Plain(torch.utils.data.IterableDataset[int]):
+    def __iter__(self):
+        return iter(range(6))
+
+
+@pytest.mark.parametrize(("source", "last_batch", "why"), [
+    (SequenceSource([[1, 2], [3]]), "rollover", "last_batch='rollover'"),
+    (GeneratorSource(range, [3, 2]), "keep", "a ShardedSource without shard_lengths"),
+    (_Plain(), "keep", "a plain IterableDataset"),
+])
+def test_iterables_without_canonical_partitions_warn_and_stay_in_order(source, last_batch,
+                                                                       why) -> None:
+    with pytest.warns(UserWarning, match=f"in_order=False is ignored for {why}"):
+        loader = ResumableLoader(source, in_order=False, last_batch=last_batch)
+    assert loader.in_order and "in_order" not in repr(loader)
+    assert len(list(loader)) >= 1
