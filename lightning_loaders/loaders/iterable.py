@@ -230,7 +230,8 @@ class ResumableIterableLoader(ResumableLoader):
         parts = state_dict.get(PARTS) if isinstance(state_dict, Mapping) else None
         if not isinstance(parts, Mapping) or WINDOW not in parts or not self.schedule.canonical:
             super().load_state_dict(state_dict)
-            self._window_epoch = None
+            self._window.reset()
+            self._restored, self._window_epoch = True, None
             return
         rank, world_size = self.schedule.placement
         try:

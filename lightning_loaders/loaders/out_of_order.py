@@ -24,8 +24,8 @@ from typing import Any, Protocol, TypeVar
 
 from lightning_loaders.errors import StateMismatchError
 
-__all__ = ["WINDOW", "DeliveredWindow", "NumberedRequest", "WindowedRequests", "not_delivered",
-           "rank_entry"]
+__all__ = ["WINDOW", "DeliveredWindow", "Frontier", "NumberedRequest", "WindowedRequests",
+           "not_delivered", "rank_entry"]
 
 WINDOW = "window"  # the part: per rank, [frontier, [batches delivered past it]]
 _RECENT = 64  # delivered batch numbers remembered (a prefetching trainer holds a few)
@@ -46,7 +46,7 @@ class Frontier(Protocol):
     def delivered(self) -> None: ...
 
 
-R = TypeVar("R", bound=NumberedRequest)
+_R = TypeVar("_R", bound=NumberedRequest)
 
 
 class DeliveredWindow:
@@ -58,7 +58,8 @@ class DeliveredWindow:
         self._restored: tuple[int, int, frozenset[int]] | None = None
 
     def reset(self) -> None:
-        """Forget the window (a new epoch)."""
+        """Forget the window (a new epoch, or a state without one loaded)."""
+        self._restored = None
         self.ahead.clear()
         self._recent.clear()
 
@@ -109,7 +110,7 @@ class DeliveredWindow:
             self.ahead.update(restored[2])
 
 
-def not_delivered(requests: Iterable[R], ahead: frozenset[int]) -> Iterator[R]:
+def not_delivered(requests: Iterable[_R], ahead: frozenset[int]) -> Iterator[_R]:
     """``requests`` less the batches already delivered (a free function: it must not keep its
     loader alive)."""
     for request in requests:
@@ -117,22 +118,22 @@ def not_delivered(requests: Iterable[R], ahead: frozenset[int]) -> Iterator[R]:
             yield request
 
 
-class WindowedRequests(Iterator[R]):
+class WindowedRequests(Iterator[_R]):
     """Requests that are ``ready()`` (the workers' iterator asks) only while the next one is
     less than ``limit`` batches past the first undelivered batch (``schedule.batches``): with
     out-of-order delivery, a fast worker cannot run away from a slow one, so the batches
     delivered past the frontier stay fewer than ``limit``."""
 
-    def __init__(self, requests: Iterator[R], schedule: Frontier, limit: int) -> None:
+    def __init__(self, requests: Iterator[_R], schedule: Frontier, limit: int) -> None:
         self._requests = requests
         self._schedule = schedule
         self._limit = limit
-        self._next: R | None = None
+        self._next: _R | None = None
 
-    def __iter__(self) -> WindowedRequests[R]:
+    def __iter__(self) -> WindowedRequests[_R]:
         return self
 
-    def __next__(self) -> R:
+    def __next__(self) -> _R:
         request, self._next = self._next, None
         return next(self._requests) if request is None else request
 

@@ -140,8 +140,6 @@ def test_in_order_false_without_workers_is_the_plan(tmp_path: Path) -> None:
 
 def test_a_trainer_resumed_from_any_checkpoint_trains_on_each_batch_once(tmp_path: Path
                                                                          ) -> None:
-    from tests.lightning_harness import checkpoint_at, every_step_checkpoints, fit_recording
-
     gate = tmp_path / "gate"
 
     def make() -> ResumableLoader:
@@ -149,20 +147,29 @@ def test_a_trainer_resumed_from_any_checkpoint_trains_on_each_batch_once(tmp_pat
         return ResumableLoader(gated, batch_size=BATCH, num_workers=2, in_order=False, seed=5,
                                shuffle=True)
 
+    plans = [_plan_shuffled(24, epoch) for epoch in range(2)]
+    _check_trainer_resumes(make, gate, plans, tmp_path, every=3)
+
+
+def _check_trainer_resumes(make, gate: Path, plans: list, tmp_path: Path, every: int) -> None:
+    """A ``Trainer`` run checkpointing every step is out of order in epoch 0 and trains on
+    each planned batch once per epoch; so does every run resumed from every ``every``-th
+    checkpoint, together with the steps before it."""
+    from tests.lightning_harness import checkpoint_at, every_step_checkpoints, fit_recording
+
     directory = tmp_path / "checkpoints"
     gate_opener = _OpenGate(gate, after=2)
     full = fit_recording(make, tmp_path, 2, [every_step_checkpoints(directory), gate_opener])
-    plans = [Counter(_plan_shuffled(24, epoch)) for epoch in range(2)]
     for epoch in range(2):
-        assert Counter(tuple(k) for e, _, k in full if e == epoch) == plans[epoch]
-    assert [tuple(k) for e, _, k in full if e == 0] != _plan_shuffled(24, 0)  # out of order
-    for step in range(1, len(full) + 1, 3):
+        assert Counter(tuple(k) for e, _, k in full if e == epoch) == Counter(plans[epoch])
+    assert [tuple(k) for e, _, k in full if e == 0] != plans[0]  # out of order
+    for step in range(1, len(full) + 1, every):
         resumed = fit_recording(make, tmp_path, 2, ckpt_path=checkpoint_at(directory, step))
         epochs = [e for e, _, _ in full[:step]]
         for epoch in range(2):
             before = Counter(tuple(k) for e, _, k in full[:step] if e == epoch)
             after = Counter(tuple(k) for e, _, k in resumed if e == epoch)
-            assert before + after == plans[epoch], (step, epoch, epochs)
+            assert before + after == Counter(plans[epoch]), (step, epoch, epochs)
 
 
 def _plan_shuffled(n: int, epoch: int) -> list[tuple[int, ...]]:
@@ -192,12 +199,14 @@ def _windows(value) -> list:
     return []
 
 
-def test_ddp_checkpoints_hold_every_ranks_window_and_resume_each_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", [[], ["--iterable"]], ids=["map_style", "iterable"])
+def test_ddp_checkpoints_hold_every_ranks_window_and_resume_each_rank(tmp_path: Path,
+                                                                      kind: list[str]) -> None:
     from tests.ddp_harness import REPO, run_ddp
     from tests.lightning_harness import checkpoint_at
 
     script = REPO / "tests" / "scripts" / "loader_ddp_fit.py"
-    common = ["--workers", "2", "--out-of-order", "--samples", "24"]
+    common = ["--workers", "2", "--out-of-order", "--samples", "24", *kind]
     ckpt = tmp_path / "ckpt"
     full = run_ddp(script, [*common, "--ckpt-dir", str(ckpt)], tmp_path / "full")
     step = 3
@@ -211,6 +220,7 @@ def test_ddp_checkpoints_hold_every_ranks_window_and_resume_each_rank(tmp_path: 
             whole = Counter(tuple(b) for e, _, b in before["seen"] if e == epoch)
             done = Counter(tuple(b) for e, _, b in before["seen"][:step] if e == epoch)
             rest = Counter(tuple(b) for e, _, b in after["seen"] if e == epoch)
+            assert whole == Counter(tuple(b) for b in before["plans"][epoch])
             assert done + rest == whole, (before["rank"], epoch)
 
 
@@ -363,3 +373,10 @@ def test_iterables_without_canonical_partitions_warn_and_stay_in_order(source, l
         loader = ResumableLoader(source, in_order=False, last_batch=last_batch)
     assert loader.in_order and "in_order" not in repr(loader)
     assert len(list(loader)) >= 1
+
+
+def test_iterable_trainer_resumed_from_every_checkpoint_trains_on_each_batch_once(
+        tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    plans = [_iterable_plan(epoch) for epoch in range(2)]
+    _check_trainer_resumes(lambda: _make_iterable(gate), gate, plans, tmp_path, every=1)
