@@ -70,7 +70,20 @@ The plan of an epoch
     with an error saying why (the slots' streams would differ); at an epoch boundary any
     configuration resumes. A worker process that dies is replaced the same way: all workers restart
     from the position of the last batch received, so the stream goes on as if nothing happened (at
-    most ``max_worker_restarts`` times per epoch). """
+    most ``max_worker_restarts`` times per epoch).
+
+Out-of-order delivery (``in_order=False``)
+    With canonical partitions every batch of a rank is a numbered request that says by itself
+    which samples to read (partition segments; a worker opens a shard mid-shard with
+    ``open_shard(index, start)`` when it does not already stand there), so any worker can
+    answer any batch: each is delivered as soon as it arrives, and a worker's own batches stay
+    in their order. The state is the cursor's frontier plus the batches delivered past it
+    (``lightning_loaders.loaders.out_of_order``: the window map-style loaders use, bounded by
+    ``num_workers * prefetch_factor``), and a resume requests exactly the others. A state
+    saved in order resumes out of order and vice versa. Without canonical partitions (unknown
+    lengths, ``"rollover"``, plain datasets) a slot's batch continues that slot's stream, which
+    only its own worker can do without re-reading it, so ``in_order=False`` warns and is
+    ignored. """
 
 from __future__ import annotations
 
@@ -135,7 +148,9 @@ class ResumableIterableLoader(ResumableLoader):
             number; a multiple of every layout's ranks x workers lets each worker read its
             own partitions.
 
-    See the module docstring for the plan, the equal-count strategies and resume.
+    ``in_order=False`` delivers batches as workers finish them when the epochs are planned over
+    canonical partitions (known shard lengths, not ``"rollover"``); otherwise it warns and is
+    ignored. See the module docstring for the plan, the equal-count strategies and resume.
     """
 
     schedule: IterableSchedule

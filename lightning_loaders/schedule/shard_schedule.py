@@ -29,7 +29,7 @@ from lightning_loaders.schedule.shard_plan import (
     locate,
     plan_epoch,
 )
-from lightning_loaders.state import PARTS, LoaderState
+from lightning_loaders.state import LoaderState
 
 __all__ = ["IterableSchedule"]
 
@@ -280,12 +280,14 @@ class IterableSchedule(EpochOwner):
 
     def saved_batches(self, state_dict: Mapping[str, Any], rank: int) -> int:
         """Canonical partitions: batches of ``rank`` in the epoch a saved state is in (the
-        saved layout's; ``StateMismatchError`` if the state cannot say)."""
+        saved layout's; ``StateMismatchError`` if the state is not this loader's or cannot
+        say)."""
+        state = LoaderState.from_dict(state_dict, KIND, self.fingerprint())
         try:
-            slots = state_dict[PARTS][SLOTS]
+            slots = state.parts[SLOTS]
             first, batch = slots.get(_BASE, (0, 0))
-            dealt = deal(self.config, int(state_dict["epoch"]), int(slots[_PARTITIONS]),
-                         int(state_dict["world_size"]), int(first))
+            dealt = deal(self.config, state.epoch, int(slots[_PARTITIONS]), state.world_size,
+                         int(first))
             return int(batch) + len(dealt[rank])
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise StateMismatchError(f"corrupted loader state: {exc!r}") from exc

@@ -253,16 +253,19 @@ class GatedShards(ShardedSource[int]):
 def _iterable_plan(epoch: int, rank: int = 0, world: int = 1, shards: int = 4
                    ) -> list[tuple[int, ...]]:
     loader = ResumableLoader(GatedShards("", frozenset(), shards), batch_size=BATCH, seed=5,
-                             shuffle=True, rank=rank, world_size=world, partitions=2 * world)
+                             shuffle=True, shuffle_buffer=3, rank=rank, world_size=world,
+                             partitions=2 * world)
     loader.set_epoch(epoch)
     return [tuple(b.tolist()) for b in loader]
 
 
 def _make_iterable(gate: Path, in_order: bool = False, **kwargs) -> ResumableLoader:
+    """Two workers over 4 shards of 6 (shuffled, mixed in windows of 3 samples, so a resumed
+    or re-routed partition opens mid-shard and mid-window)."""
     first = _iterable_plan(0)[0][0]  # the first batch of epoch 0 waits for the gate
     source = GatedShards(str(gate), frozenset({first}))
     return ResumableLoader(source, batch_size=BATCH, num_workers=2, in_order=in_order, seed=5,
-                           shuffle=True, **kwargs)
+                           shuffle=True, shuffle_buffer=3, **kwargs)
 
 
 def _epochs(loader: ResumableLoader, gate: Path, epochs: range, states: list | None = None
@@ -352,6 +355,9 @@ def test_iterable_window_refuses_another_world_size_and_corruption(tmp_path: Pat
     corrupted = {**ahead, "parts": {**ahead["parts"], "window": {"ranks": [[0, [99]]]}}}
     with pytest.raises(StateMismatchError, match="corrupted"):
         _make_iterable(gate).load_state_dict(corrupted)
+    other = ResumableLoader(GatedShards(str(gate), frozenset()), batch_size=3, in_order=False)
+    with pytest.raises(StateMismatchError, match="batch_size"):  # named before the window
+        other.load_state_dict(ahead)
     # at a frontier with nothing ahead, another world size deals the rest of the epoch anew
     plain = next(s for _, _, s in states if not s["parts"]["window"]["ranks"][0][1])
     _make_iterable(gate, rank=0, world_size=2).load_state_dict(plain)
@@ -380,3 +386,17 @@ def test_iterable_trainer_resumed_from_every_checkpoint_trains_on_each_batch_onc
     gate = tmp_path / "gate"
     plans = [_iterable_plan(epoch) for epoch in range(2)]
     _check_trainer_resumes(lambda: _make_iterable(gate), gate, plans, tmp_path, every=1)
+
+
+def test_iterable_close_mid_epoch_goes_on_with_exactly_the_rest(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    loader = _make_iterable(gate)
+    got: list[tuple[int, ...]] = []
+    batches = iter(loader)
+    for batch in batches:
+        got.append(tuple(batch.tolist()))
+        if len(got) == 2:
+            ahead = loader.state_dict()["parts"]["window"]["ranks"][0][1]
+            gate.touch()
+            loader.close()  # workers stop with batches past the frontier delivered
+    assert ahead and Counter(got) == Counter(_iterable_plan(0))
