@@ -124,6 +124,7 @@ class MapStyleLoader(ResumableLoader):
         self._unbatched: Unbatched = unbatched
         self._batch_fetcher: BatchFetcher | None = None
         self._window = DeliveredWindow()
+        self._window_epoch: int | None = None  # the epoch of a loaded out-of-order window
         self._restored = False
         self._active: Iterator[Any] | None = None  # the iterator delivering now
         self.skipped: list[SkippedSample] = []
@@ -165,15 +166,19 @@ class MapStyleLoader(ResumableLoader):
         changes inside worker processes is never seen by the main process, so never saved.
 
         An ``in_order=False`` state resumes each rank at its own frontier, skipping the
-        batches it had delivered past it.
+        batches it had delivered past it; so does an ``in_order=True`` loader, which saves
+        that window until the epoch ends.
         """
         parts = state_dict.get(PARTS) if isinstance(state_dict, Mapping) else None
         if not isinstance(parts, Mapping) or WINDOW not in parts:
             super().load_state_dict(state_dict)
+            self._window.reset()
+            self._window_epoch = None
             return
         entry = self._window_entry(state_dict, parts[WINDOW])
         super().load_state_dict({**state_dict, "batches": entry[0]})
         self._window.restore(int(state_dict["epoch"]), entry)
+        self._window_epoch = int(state_dict["epoch"])
 
     def _window_entry(self, state: Mapping[str, Any], part: Any) -> list[Any]:
         """This rank's ``[frontier, ahead]`` of a saved out-of-order window, checked."""
@@ -188,10 +193,13 @@ class MapStyleLoader(ResumableLoader):
         return rank_entry(part, rank, world_size, int(state["batches"]), end)
 
     def state_dict(self) -> dict[str, Any]:
-        """The cursor (see ``DeliveryCore.state_dict``); with ``in_order=False``, also every
-        rank's batches delivered past its frontier (``out_of_order``)."""
+        """The cursor (see ``DeliveryCore.state_dict``); with ``in_order=False`` (or in the
+        epoch of a loaded out-of-order state), also every rank's batches delivered past its
+        frontier (``out_of_order``)."""
         if self.in_order:
-            return super().state_dict()
+            state = super().state_dict()
+            if self._window_epoch != state["epoch"]:
+                return state
         held = batches_held(self._prefetcher)
         schedule = self.schedule
         state = schedule.state_dict()

@@ -43,8 +43,9 @@ class Gated(torch.utils.data.Dataset[int]):
 def _make(gate: Path, n: int = 24, rank: int | None = None, world: int | None = None,
           **kwargs) -> ResumableLoader:
     data = Gated(n, str(gate), frozenset({0, 10}))
-    return ResumableLoader(data, batch_size=BATCH, num_workers=2, in_order=False, seed=5,
-                           rank=rank, world_size=world, **kwargs)
+    options = {"in_order": False, **kwargs}
+    return ResumableLoader(data, batch_size=BATCH, num_workers=2, seed=5, rank=rank,
+                           world_size=world, **options)
 
 
 def _run(loader: ResumableLoader, gate: Path, states: list | None = None,
@@ -100,6 +101,31 @@ def test_a_resumed_loader_can_be_saved_before_it_starts(tmp_path: Path) -> None:
     again = resumed.state_dict()
     assert again["parts"]["window"] == ahead_states[0]["parts"]["window"]
     assert again["batches"] == ahead_states[0]["batches"]
+
+
+def test_an_out_of_order_state_resumes_in_order_and_saves_its_window(tmp_path: Path) -> None:
+    """An in-order loader resumed from a window keeps saving it until the epoch ends, so a
+    state saved before its frontier passes the window's batches does not repeat them."""
+    gate = tmp_path / "gate"
+    states: list = []
+    first = _run(_make(gate), gate, states)
+    step, state = max(enumerate(states), key=lambda pair: max(
+        pair[1]["parts"]["window"]["ranks"][0][1] or [0]) - pair[1]["batches"])
+    frontier, ahead = state["parts"]["window"]["ranks"][0]
+    assert max(ahead) > frontier + 2  # the next batch leaves one ahead
+    resumed = _make(gate, in_order=True)
+    resumed.load_state_dict(state)
+    batches = iter(resumed)
+    one = tuple(next(batches).tolist())
+    mid = checkpoint_roundtrip(resumed.state_dict())
+    assert mid["parts"]["window"]["ranks"][0][1]
+    again = _make(gate, in_order=True)
+    again.load_state_dict(mid)
+    rest = _run(again, gate)
+    assert Counter(first[:step + 1]) + Counter([one]) + Counter(rest) == Counter(_plan(24))
+    assert again.state_dict()["parts"]["window"] == {"ranks": [[len(_plan(24)), []]]}
+    next(iter(again))
+    assert "window" not in again.state_dict()["parts"]  # the next epoch saves a plain cursor
 
 
 def test_ranks_placed_by_hand_resume_from_their_own_states(tmp_path: Path) -> None:
