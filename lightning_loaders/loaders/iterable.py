@@ -70,23 +70,44 @@ The plan of an epoch
     with an error saying why (the slots' streams would differ); at an epoch boundary any
     configuration resumes. A worker process that dies is replaced the same way: all workers restart
     from the position of the last batch received, so the stream goes on as if nothing happened (at
-    most ``max_worker_restarts`` times per epoch). """
+    most ``max_worker_restarts`` times per epoch).
+
+Out-of-order delivery (``in_order=False``)
+    With canonical partitions every batch of a rank is a numbered request that says by itself
+    which samples to read (partition segments; a worker opens a shard mid-shard with
+    ``open_shard(index, start)`` when it does not already stand there), so any worker can
+    answer any batch: each is delivered as soon as it arrives, and a worker's own batches stay
+    in their order. The state is the cursor's frontier plus the batches delivered past it
+    (``lightning_loaders.loaders.out_of_order``: the window map-style loaders use, bounded by
+    ``num_workers * prefetch_factor``), and a resume requests exactly the others. A state
+    saved in order resumes out of order and vice versa. Without canonical partitions (unknown
+    lengths, ``"rollover"``, plain datasets) a slot's batch continues that slot's stream, which
+    only its own worker can do without re-reading it, so ``in_order=False`` warns and is
+    ignored. """
 
 from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Iterator
-from dataclasses import replace
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from torch.utils.data import Sampler
 
-from lightning_loaders.collectives import agree_min
+from lightning_loaders.collectives import agree_min, gather_by_rank
 from lightning_loaders.engines.shard_reader import SlotFetcher
 from lightning_loaders.engines.workers import WorkerLost, WorkerStalled
+from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.loaders.delivery import EpochSampler
 from lightning_loaders.loaders.options import LoaderOptions
+from lightning_loaders.loaders.out_of_order import (
+    WINDOW,
+    DeliveredWindow,
+    WindowedRequests,
+    not_delivered,
+    rank_entry,
+)
+from lightning_loaders.loaders.prefetch import batches_held
 from lightning_loaders.loaders.resumable import ResumableLoader
 from lightning_loaders.schedule.map_plan import LastBatch
 from lightning_loaders.schedule.map_schedule import resolve_last_batch
@@ -96,6 +117,7 @@ from lightning_loaders.schedule.shard_plan import PlanConfig
 from lightning_loaders.schedule.shard_schedule import IterableSchedule
 from lightning_loaders.sources.plain import PlainStream
 from lightning_loaders.sources.shards import ShardedSource
+from lightning_loaders.state import PARTS
 
 __all__ = ["ResumableIterableLoader"]
 
@@ -126,7 +148,9 @@ class ResumableIterableLoader(ResumableLoader):
             number; a multiple of every layout's ranks x workers lets each worker read its
             own partitions.
 
-    See the module docstring for the plan, the equal-count strategies and resume.
+    ``in_order=False`` delivers batches as workers finish them when the epochs are planned over
+    canonical partitions (known shard lengths, not ``"rollover"``); otherwise it warns and is
+    ignored. See the module docstring for the plan, the equal-count strategies and resume.
     """
 
     schedule: IterableSchedule
@@ -137,10 +161,6 @@ class ResumableIterableLoader(ResumableLoader):
                              "DataLoader): the plan decides the order; shuffle shards with "
                              "shuffle=True and mix samples with shuffle_buffer")
         self.last_batch: LastBatch = resolve_last_batch(options.last_batch, options.drop_last)
-        if not options.in_order:
-            warnings.warn("in_order=False is not supported for iterable datasets and is ignored: "
-                          "their slots are read in plan order", stacklevel=3)
-            options = replace(options, in_order=True)
         self._take_options(dataset, options, drop_last=self.last_batch == "drop")
         shuffle, shuffle_buffer = options.shuffle, options.shuffle_buffer
         if options.on_error != "raise":
@@ -178,6 +198,9 @@ class ResumableIterableLoader(ResumableLoader):
         config = PlanConfig(None if lengths is None else tuple(lengths), len(source.shards),
                             strided, self.batch_size, self.last_batch, self.shuffle, self.seed,
                             merge_short_tail=options.evaluation and not strided)
+        if not self.in_order and not uses_partitions(config):
+            warnings.warn(_ordered_only(config), stacklevel=3)
+            self.in_order = True
         tuner = self._autotuner
         if tuner is not None and not uses_partitions(config):
             raise ValueError(
@@ -196,6 +219,9 @@ class ResumableIterableLoader(ResumableLoader):
         self._fetcher = SlotFetcher(source, config, slots, max(1, shuffle_buffer),
                                    options.collate_fn)
         self._warned_surplus = False
+        self._window = DeliveredWindow()  # canonical partitions: batches past the frontier
+        self._restored = False  # a loaded window waits for its epoch to open
+        self._window_epoch: int | None = None  # the epoch of a loaded out-of-order window
 
     # -- the DataLoader surface -------------------------------------------------------------
 
@@ -206,7 +232,52 @@ class ResumableIterableLoader(ResumableLoader):
         return [f"dataset={type(self.dataset).__name__}({kind}, samples={lengths})",
                 f"batch_size={self.batch_size}", f"shuffle={self.shuffle}",
                 f"shuffle_buffer={self.shuffle_buffer}", f"last_batch={self.last_batch!r}",
+                *([] if self.in_order else ["in_order=False"]),
                 f"num_workers={self.num_workers}", *self._backend_fields()]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a cursor; the next ``iter()`` continues exactly after its last batch.
+
+        An ``in_order=False`` state (canonical partitions) resumes each rank at its own
+        frontier, skipping the batches it had delivered past it; so does an ``in_order=True``
+        loader, and an ``in_order=True`` state resumes under ``in_order=False`` (no batch
+        past its cursor was delivered)."""
+        parts = state_dict.get(PARTS) if isinstance(state_dict, Mapping) else None
+        if not isinstance(parts, Mapping) or WINDOW not in parts or not self.schedule.canonical:
+            super().load_state_dict(state_dict)
+            self._window.reset()
+            self._restored, self._window_epoch = True, None
+            return
+        rank, world_size = self.schedule.placement
+        try:
+            epoch, batches = int(state_dict["epoch"]), int(state_dict["batches"])
+            saved_world = int(state_dict["world_size"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StateMismatchError(f"corrupted loader state: {exc!r}") from exc
+        # the epoch's end bounds the saved batch numbers; another world size keeps no window
+        end = self.schedule.saved_batches(state_dict, rank) if saved_world == world_size else 0
+        entry = rank_entry(parts[WINDOW], rank, world_size, batches, end)
+        super().load_state_dict({**state_dict, "batches": entry[0]})
+        self._window.restore(epoch, entry)
+        self._restored, self._window_epoch = True, epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor (see ``DeliveryCore.state_dict``); with ``in_order=False``, also every
+        rank's batches delivered past its frontier (the ``window`` part, gathered from all
+        ranks: every rank must call it, as Lightning does)."""
+        state = super().state_dict()
+        if self.in_order and self._window_epoch != state["epoch"]:
+            return state
+        held, schedule = batches_held(self._prefetcher), self.schedule
+        if self._restored or schedule.epoch is None:  # not started, or a state pending
+            entry = self._window.pending() or [state["batches"], []]
+        else:
+            entry = self._window.saved(schedule.batches, held)
+        state["batches"] = entry[0]
+        rank, world_size = schedule.placement
+        ranks = gather_by_rank(entry, rank, world_size)
+        state[PARTS] = {**state[PARTS], WINDOW: {"ranks": ranks}}
+        return state
 
     def close(self) -> None:
         """Shut the worker processes (and, without workers, the open shards) down now; they
@@ -215,7 +286,10 @@ class ResumableIterableLoader(ResumableLoader):
         self._fetcher.close()
 
     def _open_epoch(self) -> Iterator[Any]:
-        self.schedule.begin_epoch()
+        schedule = self.schedule
+        schedule.begin_epoch()
+        self._restored = False
+        self._window.resumed(schedule.epoch, schedule.batches)
         self._epoch_restarts = 0
         return self._deliver()
 
@@ -234,8 +308,12 @@ class ResumableIterableLoader(ResumableLoader):
         received = self._received()
         items = (self._agreed(received) if schedule.synced
                  else ((item, False) for item in received))
+        window = self._window if schedule.canonical else None
         for item, last in items:
-            schedule.delivered(item, last)
+            if window is not None:  # numbered batches, maybe out of order
+                window.count(schedule, item.batch)
+            else:
+                schedule.delivered(item, last)
             yield item.data
         schedule.finish()
 
@@ -258,7 +336,10 @@ class ResumableIterableLoader(ResumableLoader):
                 return
             except WorkerLost as lost:
                 self._recover(lost)
-                schedule.restart_after_received()
+                if schedule.canonical:  # every batch received was delivered (maybe ahead)
+                    schedule.restart()
+                else:
+                    schedule.restart_after_received()
             except WorkerStalled as stalled:
                 raise self._stall_error(stalled) from None
 
@@ -295,16 +376,42 @@ class ResumableIterableLoader(ResumableLoader):
         prefetch = self.prefetch_factor
         if self.num_workers > 0 and self.schedule.synced:  # ranks agree on batches in hand
             prefetch = max(prefetch or 2, -(-self.sync_interval // self.num_workers))
-        sampler = _RequestSampler(self.schedule, self.num_workers > 0)
+        limit = 0 if self.in_order else self.num_workers * (self.prefetch_factor or 2)
+        sampler = _RequestSampler(self.schedule, self.num_workers > 0, self._window, limit)
         return iter(self._worker_pool(self._fetcher, sampler, prefetch))
 
 
 class _RequestSampler(Sampler[SlotRequest | PartRequest]):
-    """The internal DataLoader's sampler: the current generation's requests at every iter()."""
+    """The internal DataLoader's sampler: the current generation's requests at every iter()
+    (with canonical partitions, less the batches delivered out of order, and held back while
+    ``limit`` batches past the frontier are out)."""
 
-    def __init__(self, schedule: IterableSchedule, with_skips: bool) -> None:
+    def __init__(self, schedule: IterableSchedule, with_skips: bool, window: DeliveredWindow,
+                 limit: int) -> None:
         self._schedule = schedule
         self._with_skips = with_skips
+        self._window = window
+        self._limit = limit
 
     def __iter__(self) -> Iterator[SlotRequest | PartRequest]:
-        return self._schedule.requests(self._with_skips)
+        requests = self._schedule.requests(self._with_skips)
+        if not self._schedule.canonical:
+            return requests
+        requests = not_delivered(requests, frozenset(self._window.ahead))
+        return WindowedRequests(requests, self._schedule, self._limit) if self._limit else requests
+
+
+def _ordered_only(config: PlanConfig) -> str:
+    """Why ``in_order=False`` is ignored for this iterable dataset (see the warning)."""
+    if config.strided:
+        kind = "a plain IterableDataset (the strided fallback)"
+    elif config.lengths is None:
+        kind = "a ShardedSource without shard_lengths"
+    else:
+        kind = "last_batch='rollover'"
+    return (f"in_order=False is ignored for {kind}: batches are delivered in plan order. Out-of-"
+            "order delivery needs batches that each say what to read, so that any worker can "
+            "answer any of them and a resume can skip those delivered: an iterable has them only "
+            "when planned over canonical partitions (a ShardedSource with known shard_lengths, "
+            "last_batch 'keep', 'drop' or 'pad'). Here each (rank, worker) slot cuts its batches "
+            "from its own stream, which only its own worker can continue without re-reading it")

@@ -39,6 +39,7 @@ from lightning_loaders.loaders.delivery import SizedEpochSampler
 from lightning_loaders.loaders.out_of_order import (
     WINDOW,
     DeliveredWindow,
+    WindowedRequests,
     not_delivered,
     rank_entry,
 )
@@ -124,6 +125,7 @@ class MapStyleLoader(ResumableLoader):
         self._unbatched: Unbatched = unbatched
         self._batch_fetcher: BatchFetcher | None = None
         self._window = DeliveredWindow()
+        self._window_epoch: int | None = None  # the epoch of a loaded out-of-order window
         self._restored = False
         self._active: Iterator[Any] | None = None  # the iterator delivering now
         self.skipped: list[SkippedSample] = []
@@ -166,15 +168,19 @@ class MapStyleLoader(ResumableLoader):
         changes inside worker processes is never seen by the main process, so never saved.
 
         An ``in_order=False`` state resumes each rank at its own frontier, skipping the
-        batches it had delivered past it.
+        batches it had delivered past it; so does an ``in_order=True`` loader, which saves
+        that window until the epoch ends.
         """
         parts = state_dict.get(PARTS) if isinstance(state_dict, Mapping) else None
         if not isinstance(parts, Mapping) or WINDOW not in parts:
             super().load_state_dict(state_dict)
+            self._window.reset()
+            self._window_epoch = None
             return
         entry = self._window_entry(state_dict, parts[WINDOW])
         super().load_state_dict({**state_dict, "batches": entry[0]})
         self._window.restore(int(state_dict["epoch"]), entry)
+        self._window_epoch = int(state_dict["epoch"])
 
     def _window_entry(self, state: Mapping[str, Any], part: Any) -> list[Any]:
         """This rank's ``[frontier, ahead]`` of a saved out-of-order window, checked."""
@@ -189,10 +195,13 @@ class MapStyleLoader(ResumableLoader):
         return rank_entry(part, rank, world_size, int(state["batches"]), end)
 
     def state_dict(self) -> dict[str, Any]:
-        """The cursor (see ``DeliveryCore.state_dict``); with ``in_order=False``, also every
-        rank's batches delivered past its frontier (``out_of_order``)."""
+        """The cursor (see ``DeliveryCore.state_dict``); with ``in_order=False`` (or in the
+        epoch of a loaded out-of-order state), also every rank's batches delivered past its
+        frontier (``out_of_order``)."""
         if self.in_order:
-            return super().state_dict()
+            state = super().state_dict()
+            if self._window_epoch != state["epoch"]:
+                return state
         held = batches_held(self._prefetcher)
         schedule = self.schedule
         state = schedule.state_dict()
@@ -409,38 +418,10 @@ class _RequestSampler(Sampler[BatchRequest]):
 
     def __iter__(self) -> Iterator[BatchRequest]:
         requests = not_delivered(self._schedule.requests(), frozenset(self._window.ahead))
-        return _WindowedRequests(requests, self._schedule, self._limit) if self._limit else requests
+        return WindowedRequests(requests, self._schedule, self._limit) if self._limit else requests
 
     def __len__(self) -> int:
         return self._schedule.remaining - len(self._window.ahead)
-
-
-class _WindowedRequests:
-    """Requests that are ``ready()`` (the workers' iterator asks) only while the next one is
-    less than ``limit`` batches past the first undelivered batch: with out-of-order delivery,
-    a fast worker cannot run away from a slow one, so the batches delivered past the cursor
-    stay fewer than ``limit``."""
-
-    def __init__(self, requests: Iterator[BatchRequest], schedule: MapSchedule,
-                 limit: int) -> None:
-        self._requests = requests
-        self._schedule = schedule
-        self._limit = limit
-        self._next: BatchRequest | None = None
-
-    def __iter__(self) -> _WindowedRequests:
-        return self
-
-    def __next__(self) -> BatchRequest:
-        request, self._next = self._next, None
-        return next(self._requests) if request is None else request
-
-    def ready(self) -> bool:
-        if self._next is None:
-            self._next = next(self._requests, None)
-            if self._next is None:
-                return True
-        return self._next.batch < self._schedule.batches + self._limit
 
 
 def _unbatched(options: LoaderOptions, dataset_len: int, seed: int

@@ -7,6 +7,10 @@ delivered past it are the *ahead* set. It only holds batches of the in-flight wi
 dataset's size. A resume requests every planned batch from the frontier that is not in the
 ahead set: nothing is repeated and nothing is lost.
 
+The same window serves map-style batches (``BatchRequest``) and iterable batches planned over
+canonical partitions (``PartRequest``): both are numbered batches of a planned sequence, and
+each request says by itself what to read, so any worker can answer any of them.
+
 Under DDP every rank has its own frontier and ahead set; ``state_dict()`` gathers them from all
 ranks (every rank calls it together, as Lightning does when it checkpoints), so the one state a
 checkpoint keeps resumes every rank.
@@ -16,15 +20,33 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from lightning_loaders.errors import StateMismatchError
-from lightning_loaders.schedule.requests import BatchRequest
 
-__all__ = ["WINDOW", "DeliveredWindow", "not_delivered", "rank_entry"]
+__all__ = ["WINDOW", "DeliveredWindow", "Frontier", "NumberedRequest", "WindowedRequests",
+           "not_delivered", "rank_entry"]
 
 WINDOW = "window"  # the part: per rank, [frontier, [batches delivered past it]]
 _RECENT = 64  # delivered batch numbers remembered (a prefetching trainer holds a few)
+
+
+class NumberedRequest(Protocol):
+    """A planned batch's request (``BatchRequest``, ``PartRequest``): its number in the plan."""
+
+    @property
+    def batch(self) -> int: ...
+
+
+class Frontier(Protocol):
+    """What the window reads of a schedule: its frontier, and counting a batch over it."""
+
+    batches: int
+
+    def delivered(self) -> None: ...
+
+
+_R = TypeVar("_R", bound=NumberedRequest)
 
 
 class DeliveredWindow:
@@ -36,7 +58,8 @@ class DeliveredWindow:
         self._restored: tuple[int, int, frozenset[int]] | None = None
 
     def reset(self) -> None:
-        """Forget the window (a new epoch)."""
+        """Forget the window (a new epoch, or a state without one loaded)."""
+        self._restored = None
         self.ahead.clear()
         self._recent.clear()
 
@@ -47,7 +70,7 @@ class DeliveredWindow:
             batch += 1
         return batch
 
-    def count(self, schedule: Any, batch: int) -> None:
+    def count(self, schedule: Frontier, batch: int) -> None:
         """Count ``batch`` handed to the caller: the frontier moves over every batch
         delivered in a row, a batch past it joins the ahead set."""
         self._recent.append(batch)
@@ -87,13 +110,39 @@ class DeliveredWindow:
             self.ahead.update(restored[2])
 
 
-def not_delivered(requests: Iterable[BatchRequest],
-                  ahead: frozenset[int]) -> Iterator[BatchRequest]:
+def not_delivered(requests: Iterable[_R], ahead: frozenset[int]) -> Iterator[_R]:
     """``requests`` less the batches already delivered (a free function: it must not keep its
     loader alive)."""
     for request in requests:
         if request.batch not in ahead:
             yield request
+
+
+class WindowedRequests(Iterator[_R]):
+    """Requests that are ``ready()`` (the workers' iterator asks) only while the next one is
+    less than ``limit`` batches past the first undelivered batch (``schedule.batches``): with
+    out-of-order delivery, a fast worker cannot run away from a slow one, so the batches
+    delivered past the frontier stay fewer than ``limit``."""
+
+    def __init__(self, requests: Iterator[_R], schedule: Frontier, limit: int) -> None:
+        self._requests = requests
+        self._schedule = schedule
+        self._limit = limit
+        self._next: _R | None = None
+
+    def __iter__(self) -> WindowedRequests[_R]:
+        return self
+
+    def __next__(self) -> _R:
+        request, self._next = self._next, None
+        return next(self._requests) if request is None else request
+
+    def ready(self) -> bool:
+        if self._next is None:
+            self._next = next(self._requests, None)
+            if self._next is None:
+                return True
+        return self._next.batch < self._schedule.batches + self._limit
 
 
 def rank_entry(part: Any, rank: int, world_size: int, batches: int, end: int) -> list[Any]:

@@ -160,14 +160,15 @@ class IterableSchedule(EpochOwner):
             if item.cursor.exhausted:
                 self.exhausted.add(item.slot)
 
-    def delivered(self, item: Delivered, last: bool = False) -> None:
-        """Count one batch handed to the caller (``last``: the ranks agreed it ends the epoch)."""
+    def delivered(self, item: Delivered | None = None, last: bool = False) -> None:
+        """Count one batch handed to the caller (``last``: the ranks agreed it ends the epoch;
+        ``item`` is needed with unknown lengths only, to move its slot's cursor)."""
         self.batches += 1
         if self.known:
             assert self.layout is not None and self.layout.num_batches is not None
             self.ended = self.batches >= self.layout.num_batches
             return
-        assert item.cursor is not None
+        assert item is not None and item.cursor is not None
         self._undo.append((item.slot, self.cursors[item.slot]))
         self.cursors[item.slot] = item.cursor
         self.ended = last or all(cursor.exhausted for cursor in self.cursors)
@@ -276,6 +277,20 @@ class IterableSchedule(EpochOwner):
         first, batch = slots.get(_BASE, (0, 0))
         self.partitions = saved
         self.base = (first + (batches - batch) * saved_world, batches) if batches else (0, 0)
+
+    def saved_batches(self, state_dict: Mapping[str, Any], rank: int) -> int:
+        """Canonical partitions: batches of ``rank`` in the epoch a saved state is in (the
+        saved layout's; ``StateMismatchError`` if the state is not this loader's or cannot
+        say)."""
+        state = LoaderState.from_dict(state_dict, KIND, self.fingerprint())
+        try:
+            slots = state.parts[SLOTS]
+            first, batch = slots.get(_BASE, (0, 0))
+            dealt = deal(self.config, state.epoch, int(slots[_PARTITIONS]), state.world_size,
+                         int(first))
+            return int(batch) + len(dealt[rank])
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise StateMismatchError(f"corrupted loader state: {exc!r}") from exc
 
     def _derived_cursors(self, layout: Layout, rank: int, batches: int) -> list[Cursor]:
         """Known lengths: every slot's position after ``batches`` delivered batches."""

@@ -130,8 +130,6 @@ def test_what_is_only_risky_elsewhere_is_accepted() -> None:
     ResumableLoader(IndexDataset(8), batch_size=4, num_workers=1, collate_fn=_identity,
                     multiprocessing_context="spawn")
     assert start_method(None) in ("fork", "spawn", "forkserver")
-    with pytest.warns(UserWarning, match="in_order=False is not supported for iterable"):
-        ResumableLoader(SequenceSource([[1, 2], [3]]), in_order=False)
 
 
 # -- saved states --------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from lightning_loaders import ResumableLoader, StateMismatchError
+from lightning_loaders.sources.shards import GeneratorSource, SequenceSource, ShardedSource
 from lightning_loaders.testing import checkpoint_roundtrip
 
 BATCH = 2
@@ -42,8 +43,9 @@ class Gated(torch.utils.data.Dataset[int]):
 def _make(gate: Path, n: int = 24, rank: int | None = None, world: int | None = None,
           **kwargs) -> ResumableLoader:
     data = Gated(n, str(gate), frozenset({0, 10}))
-    return ResumableLoader(data, batch_size=BATCH, num_workers=2, in_order=False, seed=5,
-                           rank=rank, world_size=world, **kwargs)
+    options = {"in_order": False, **kwargs}
+    return ResumableLoader(data, batch_size=BATCH, num_workers=2, seed=5, rank=rank,
+                           world_size=world, **options)
 
 
 def _run(loader: ResumableLoader, gate: Path, states: list | None = None,
@@ -101,6 +103,31 @@ def test_a_resumed_loader_can_be_saved_before_it_starts(tmp_path: Path) -> None:
     assert again["batches"] == ahead_states[0]["batches"]
 
 
+def test_an_out_of_order_state_resumes_in_order_and_saves_its_window(tmp_path: Path) -> None:
+    """An in-order loader resumed from a window keeps saving it until the epoch ends, so a
+    state saved before its frontier passes the window's batches does not repeat them."""
+    gate = tmp_path / "gate"
+    states: list = []
+    first = _run(_make(gate), gate, states)
+    step, state = max(enumerate(states), key=lambda pair: max(
+        pair[1]["parts"]["window"]["ranks"][0][1] or [0]) - pair[1]["batches"])
+    frontier, ahead = state["parts"]["window"]["ranks"][0]
+    assert max(ahead) > frontier + 2  # the next batch leaves one ahead
+    resumed = _make(gate, in_order=True)
+    resumed.load_state_dict(state)
+    batches = iter(resumed)
+    one = tuple(next(batches).tolist())
+    mid = checkpoint_roundtrip(resumed.state_dict())
+    assert mid["parts"]["window"]["ranks"][0][1]
+    again = _make(gate, in_order=True)
+    again.load_state_dict(mid)
+    rest = _run(again, gate)
+    assert Counter(first[:step + 1]) + Counter([one]) + Counter(rest) == Counter(_plan(24))
+    assert again.state_dict()["parts"]["window"] == {"ranks": [[len(_plan(24)), []]]}
+    next(iter(again))
+    assert "window" not in again.state_dict()["parts"]  # the next epoch saves a plain cursor
+
+
 def test_ranks_placed_by_hand_resume_from_their_own_states(tmp_path: Path) -> None:
     gate = tmp_path / "gate"
     for rank in range(2):
@@ -139,8 +166,6 @@ def test_in_order_false_without_workers_is_the_plan(tmp_path: Path) -> None:
 
 def test_a_trainer_resumed_from_any_checkpoint_trains_on_each_batch_once(tmp_path: Path
                                                                          ) -> None:
-    from tests.lightning_harness import checkpoint_at, every_step_checkpoints, fit_recording
-
     gate = tmp_path / "gate"
 
     def make() -> ResumableLoader:
@@ -148,20 +173,29 @@ def test_a_trainer_resumed_from_any_checkpoint_trains_on_each_batch_once(tmp_pat
         return ResumableLoader(gated, batch_size=BATCH, num_workers=2, in_order=False, seed=5,
                                shuffle=True)
 
+    plans = [_plan_shuffled(24, epoch) for epoch in range(2)]
+    _check_trainer_resumes(make, gate, plans, tmp_path, every=3)
+
+
+def _check_trainer_resumes(make, gate: Path, plans: list, tmp_path: Path, every: int) -> None:
+    """A ``Trainer`` run checkpointing every step is out of order in epoch 0 and trains on
+    each planned batch once per epoch; so does every run resumed from every ``every``-th
+    checkpoint, together with the steps before it."""
+    from tests.lightning_harness import checkpoint_at, every_step_checkpoints, fit_recording
+
     directory = tmp_path / "checkpoints"
     gate_opener = _OpenGate(gate, after=2)
     full = fit_recording(make, tmp_path, 2, [every_step_checkpoints(directory), gate_opener])
-    plans = [Counter(_plan_shuffled(24, epoch)) for epoch in range(2)]
     for epoch in range(2):
-        assert Counter(tuple(k) for e, _, k in full if e == epoch) == plans[epoch]
-    assert [tuple(k) for e, _, k in full if e == 0] != _plan_shuffled(24, 0)  # out of order
-    for step in range(1, len(full) + 1, 3):
+        assert Counter(tuple(k) for e, _, k in full if e == epoch) == Counter(plans[epoch])
+    assert [tuple(k) for e, _, k in full if e == 0] != plans[0]  # out of order
+    for step in range(1, len(full) + 1, every):
         resumed = fit_recording(make, tmp_path, 2, ckpt_path=checkpoint_at(directory, step))
         epochs = [e for e, _, _ in full[:step]]
         for epoch in range(2):
             before = Counter(tuple(k) for e, _, k in full[:step] if e == epoch)
             after = Counter(tuple(k) for e, _, k in resumed if e == epoch)
-            assert before + after == plans[epoch], (step, epoch, epochs)
+            assert before + after == Counter(plans[epoch]), (step, epoch, epochs)
 
 
 def _plan_shuffled(n: int, epoch: int) -> list[tuple[int, ...]]:
@@ -191,12 +225,14 @@ def _windows(value) -> list:
     return []
 
 
-def test_ddp_checkpoints_hold_every_ranks_window_and_resume_each_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", [[], ["--iterable"]], ids=["map_style", "iterable"])
+def test_ddp_checkpoints_hold_every_ranks_window_and_resume_each_rank(tmp_path: Path,
+                                                                      kind: list[str]) -> None:
     from tests.ddp_harness import REPO, run_ddp
     from tests.lightning_harness import checkpoint_at
 
     script = REPO / "tests" / "scripts" / "loader_ddp_fit.py"
-    common = ["--workers", "2", "--out-of-order", "--samples", "24"]
+    common = ["--workers", "2", "--out-of-order", "--samples", "24", *kind]
     ckpt = tmp_path / "ckpt"
     full = run_ddp(script, [*common, "--ckpt-dir", str(ckpt)], tmp_path / "full")
     step = 3
@@ -210,4 +246,188 @@ def test_ddp_checkpoints_hold_every_ranks_window_and_resume_each_rank(tmp_path: 
             whole = Counter(tuple(b) for e, _, b in before["seen"] if e == epoch)
             done = Counter(tuple(b) for e, _, b in before["seen"][:step] if e == epoch)
             rest = Counter(tuple(b) for e, _, b in after["seen"] if e == epoch)
+            assert whole == Counter(tuple(b) for b in before["plans"][epoch])
             assert done + rest == whole, (before["rank"], epoch)
+
+
+# -- iterable datasets planned over canonical partitions -------------------------------------
+
+
+class GatedShards(ShardedSource[int]):
+    """``shards`` shards of ``size`` samples (sample ``i`` is ``i``); the samples in ``gated``
+    wait until the file ``gate`` exists (the shards open mid-shard at ``start``)."""
+
+    def __init__(self, gate: str, gated: frozenset[int], shards: int = 4, size: int = 6) -> None:
+        self.gate, self.gated, self.size = gate, gated, size
+        self._shards = list(range(shards))
+
+    @property
+    def shards(self) -> list[int]:
+        return self._shards
+
+    @property
+    def shard_lengths(self) -> list[int]:
+        return [self.size] * len(self._shards)
+
+    def open_shard(self, index: int, start: int = 0, state=None):
+        for i in range(index * self.size + start, (index + 1) * self.size):
+            if i in self.gated:
+                Gated(0, self.gate, frozenset({i}))[i]
+            yield i
+
+
+def _iterable_plan(epoch: int, rank: int = 0, world: int = 1, shards: int = 4
+                   ) -> list[tuple[int, ...]]:
+    loader = ResumableLoader(GatedShards("", frozenset(), shards), batch_size=BATCH, seed=5,
+                             shuffle=True, shuffle_buffer=3, rank=rank, world_size=world,
+                             partitions=2 * world)
+    loader.set_epoch(epoch)
+    return [tuple(b.tolist()) for b in loader]
+
+
+def _make_iterable(gate: Path, in_order: bool = False, backend: str = "process", **kwargs
+                   ) -> ResumableLoader:
+    """Two workers over 4 shards of 6 (shuffled, mixed in windows of 3 samples, so a resumed
+    or re-routed partition opens mid-shard and mid-window)."""
+    first = _iterable_plan(0)[0][0]  # the first batch of epoch 0 waits for the gate
+    source = GatedShards(str(gate), frozenset({first}))
+    return ResumableLoader(source, batch_size=BATCH, num_workers=2, in_order=in_order, seed=5,
+                           shuffle=True, shuffle_buffer=3, backend=backend, **kwargs)
+
+
+def _epochs(loader: ResumableLoader, gate: Path, epochs: range, states: list | None = None
+            ) -> list[list[tuple[int, ...]]]:
+    """The batches of each epoch in ``epochs``; the gate opens after 2 batches; ``states``
+    gets ``(epoch, batches so far, state)`` after every batch."""
+    out = []
+    for epoch in epochs:
+        loader.set_epoch(epoch)
+        got: list[tuple[int, ...]] = []
+        for batch in loader:
+            got.append(tuple(batch.tolist()))
+            if len(got) == 2:
+                gate.touch()
+            if states is not None:
+                states.append((epoch, len(got), checkpoint_roundtrip(loader.state_dict())))
+        out.append(got)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["process", "thread"])
+def test_iterable_batches_arrive_out_of_order_and_each_once(tmp_path: Path, backend: str
+                                                            ) -> None:
+    gate = tmp_path / "gate"
+    loader = _make_iterable(gate, backend=backend)
+    assert "in_order=False" in repr(loader)
+    got = _epochs(loader, gate, range(2))
+    plans = [_iterable_plan(epoch) for epoch in range(2)]
+    for epoch in range(2):
+        assert Counter(got[epoch]) == Counter(plans[epoch]) and len(got[epoch]) == len(loader)
+    assert got[0] != plans[0] and got[0][0] != plans[0][0]  # the gated first batch came later
+    gate.unlink()  # in order, the gated first batch comes first whatever the workers do
+    assert _epochs(_make_iterable(gate, in_order=True), gate, range(1)) == plans[:1]
+
+
+def _check_resumes(make, gate: Path, states: list, full: list, plans: list) -> None:
+    """Resume from every state: per epoch, the batches before and after are the plan."""
+    for epoch, count, state in states:
+        resumed = make()
+        resumed.load_state_dict(state)
+        start = epoch + 1 if count == len(full[epoch]) else epoch
+        rest = range(start, len(plans))
+        after = dict(zip(rest, _epochs(resumed, gate, rest), strict=True))
+        for e, plan in enumerate(plans):
+            before = full[e] if e < epoch else full[e][:count] if e == epoch else []
+            assert Counter(before) + Counter(after.get(e, [])) == Counter(plan), (epoch, count)
+
+
+@pytest.mark.parametrize("backend", ["process", "thread"])
+def test_iterable_resume_from_every_step_delivers_exactly_the_rest(tmp_path: Path, backend: str
+                                                                   ) -> None:
+    gate = tmp_path / "gate"
+    states: list = []
+    full = _epochs(_make_iterable(gate, backend=backend), gate, range(2), states)
+    window = 2 * 2  # num_workers * prefetch_factor
+    for _, _, state in states:
+        frontier, ahead = state["parts"]["window"]["ranks"][0]
+        assert state["batches"] == frontier and len(ahead) < window, state
+        assert all(b > frontier for b in ahead)
+    assert any(state["parts"]["window"]["ranks"][0][1] for _, _, state in states)
+    _check_resumes(lambda: _make_iterable(gate, backend=backend), gate, states, full,
+                   [_iterable_plan(epoch) for epoch in range(2)])
+
+
+def test_iterable_states_cross_between_in_order_and_out_of_order(tmp_path: Path) -> None:
+    """An out-of-order state resumes in order (the batches past its frontier are skipped), and
+    an in-order state resumes out of order (none past its cursor was delivered)."""
+    gate = tmp_path / "gate"
+    plans = [_iterable_plan(epoch) for epoch in range(2)]
+    states: list = []
+    full = _epochs(_make_iterable(gate), gate, range(2), states)
+    ahead = [s for s in states if s[2]["parts"]["window"]["ranks"][0][1]]
+    _check_resumes(lambda: _make_iterable(gate, in_order=True), gate, ahead, full, plans)
+    # an in-order loader that resumed a window saves it until that epoch ends
+    resumed = _make_iterable(gate, in_order=True)
+    resumed.load_state_dict(ahead[0][2])
+    assert resumed.state_dict()["parts"]["window"] == ahead[0][2]["parts"]["window"]
+    ordered: list = []
+    full = _epochs(_make_iterable(gate, in_order=True), gate, range(2), ordered)
+    assert full == plans and all("window" not in s["parts"] for _, _, s in ordered)
+    _check_resumes(lambda: _make_iterable(gate), gate, ordered[::3], full, plans)
+
+
+def test_iterable_window_refuses_another_world_size_and_corruption(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    states: list = []
+    _epochs(_make_iterable(gate), gate, range(1), states)
+    ahead = next(s for _, _, s in states if s["parts"]["window"]["ranks"][0][1])
+    with pytest.raises(StateMismatchError, match="cannot resume on 2"):
+        _make_iterable(gate, rank=0, world_size=2).load_state_dict(ahead)
+    corrupted = {**ahead, "parts": {**ahead["parts"], "window": {"ranks": [[0, [99]]]}}}
+    with pytest.raises(StateMismatchError, match="corrupted"):
+        _make_iterable(gate).load_state_dict(corrupted)
+    other = ResumableLoader(GatedShards(str(gate), frozenset()), batch_size=3, in_order=False)
+    with pytest.raises(StateMismatchError, match="batch_size"):  # named before the window
+        other.load_state_dict(ahead)
+    # at a frontier with nothing ahead, another world size deals the rest of the epoch anew
+    plain = next(s for _, _, s in states if not s["parts"]["window"]["ranks"][0][1])
+    _make_iterable(gate, rank=0, world_size=2).load_state_dict(plain)
+
+
+class _Plain(torch.utils.data.IterableDataset[int]):
+    def __iter__(self):
+        return iter(range(6))
+
+
+@pytest.mark.parametrize(("source", "last_batch", "why"), [
+    (SequenceSource([[1, 2], [3]]), "rollover", "last_batch='rollover'"),
+    (GeneratorSource(range, [3, 2]), "keep", "a ShardedSource without shard_lengths"),
+    (_Plain(), "keep", "a plain IterableDataset"),
+])
+def test_iterables_without_canonical_partitions_warn_and_stay_in_order(source, last_batch,
+                                                                       why) -> None:
+    with pytest.warns(UserWarning, match=f"in_order=False is ignored for {why}"):
+        loader = ResumableLoader(source, in_order=False, last_batch=last_batch)
+    assert loader.in_order and "in_order" not in repr(loader)
+    assert len(list(loader)) >= 1
+
+
+def test_iterable_trainer_resumed_from_every_checkpoint_trains_on_each_batch_once(
+        tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    plans = [_iterable_plan(epoch) for epoch in range(2)]
+    _check_trainer_resumes(lambda: _make_iterable(gate), gate, plans, tmp_path, every=1)
+
+
+def test_iterable_close_mid_epoch_goes_on_with_exactly_the_rest(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    loader = _make_iterable(gate)
+    got: list[tuple[int, ...]] = []
+    batches = iter(loader)
+    for batch in batches:
+        got.append(tuple(batch.tolist()))
+        if len(got) == 2:
+            ahead = loader.state_dict()["parts"]["window"]["ranks"][0][1]
+            gate.touch()
+            loader.close()  # workers stop with batches past the frontier delivered
+    assert ahead and Counter(got) == Counter(_iterable_plan(0))
