@@ -35,6 +35,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import lightning as L
@@ -234,18 +235,26 @@ class ExactResume(Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Let the next epoch start as usual after a restart at an epoch's last batch (also
-        on another world size, where that epoch had fewer or more batches per rank), and run
-        the validation pending in the checkpoint as the epoch loop runs it."""
+        on another world size, where that epoch had fewer or more batches per rank), run the
+        validation pending in the checkpoint as the epoch loop runs it, and, mid-epoch, count
+        the epoch's batches from where the training loaders resume on this layout."""
         fit_loop = trainer.fit_loop
         epoch_loop = fit_loop.epoch_loop
         if (fit_loop.restarted_mid_epoch and epoch_loop.restarted_on_train_batch_end
                 and epoch_loop.batch_progress.is_last_batch):
             fit_loop.reset_restart_stage()
             _count_as_epoch_end(epoch_loop.batch_progress.current, trainer.num_training_batches)
+        self._run_pending(trainer, pl_module)
+        if fit_loop.restarted_mid_epoch:
+            _count_from_loaders(trainer)
+
+    def _run_pending(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Run the validation pending in the checkpoint as the epoch loop runs it."""
+        fit_loop = trainer.fit_loop
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        val_loop = epoch_loop.val_loop
+        val_loop = fit_loop.epoch_loop.val_loop
         has_run = val_loop._has_run
         self._resuming = pending
         with _epoch_as(trainer, self._epoch):
@@ -339,6 +348,65 @@ def _count_as_epoch_end(current: Any, batches: float) -> None:
         return
     current.ready = current.started = current.processed = int(batches)
     current.completed = int(batches) - 1
+
+
+def _count_from_loaders(trainer: L.Trainer) -> None:
+    """Mid-epoch restart: count the epoch's batches (``batch_progress.current``, hence
+    ``batch_idx``) from where the training loaders resume on this layout, so that Lightning,
+    which ends the epoch when the count reaches ``num_training_batches``, asks for exactly
+    the batches they have left.
+
+    Saved on another world size (an elastic resume), the count is in the old layout's units:
+    resumed on more ranks, Lightning would stop early and the loaders' tail of the epoch be
+    lost; on fewer, ``batch_idx`` would be off. On the same layout the counts agree and
+    nothing changes. The logger step (``_batches_that_stepped``, which ``reset`` advances when
+    the saved step stepped the optimizer) is kept as the saved count gives it; with
+    ``accumulate_grad_batches`` the accumulation then follows this layout's count."""
+    target = _resume_batch(trainer)
+    epoch_loop = trainer.fit_loop.epoch_loop
+    current: Any = epoch_loop.batch_progress.current  # a _BatchProgress tracker
+    if target is None or target == current.ready:
+        return
+    stepped = not epoch_loop._should_accumulate()
+    shift = target - current.ready
+    current.ready += shift
+    current.started += shift
+    current.processed += shift
+    current.completed += shift
+    if epoch_loop.restarted_on_train_batch_end or not epoch_loop.restarted_on_last:
+        epoch_loop._batches_that_stepped += int(stepped) - int(not epoch_loop._should_accumulate())
+
+
+def _resume_batch(trainer: L.Trainer) -> int | None:
+    """The batch of the epoch at which the training loaders resume on this layout, counted as
+    ``num_training_batches`` counts (``None``: not known, or nothing to count from).
+
+    Each loader's ``resume_batch()`` says where it resumes in its own ``len()``; the combined
+    count follows the loaders the mode ends the epoch with: a lone loader; in a
+    ``CombinedLoader``, ``"max_size_cycle"`` the longest (the shorter ones cycle),
+    ``"max_size"`` the one with most batches left, ``"min_size"`` the one with fewest;
+    ``"sequential"`` and ``limit_train_batches`` below a loader's length are not counted."""
+    combined = trainer.fit_loop._combined_loader
+    total = trainer.num_training_batches
+    if combined is None or total == float("inf") or combined._mode == "sequential":
+        return None
+    rests: list[tuple[int, int | None]] = []  # (length, batches left) per loader
+    for loader, limit in zip(combined.flattened, combined.limits or repeat(float("inf")),
+                             strict=False):
+        length = sized_len(loader)
+        if length is None or limit < length:
+            return None
+        resume_batch = getattr(loader, "resume_batch", None)
+        batch = resume_batch() if callable(resume_batch) else None
+        rests.append((length, None if batch is None else length - batch))
+    if combined._mode == "max_size_cycle":
+        longest = max(length for length, _ in rests)
+        rests = [(length, rest) for length, rest in rests if length == longest]
+    left = [rest for _, rest in rests if rest is not None]
+    if not left or len(left) < len(rests):
+        return None
+    rest = min(left) if combined._mode == "min_size" else max(left)
+    return min(max(int(total) - rest, 0), int(total))
 
 
 def _state(epoch: int, pending: _Pending | None, loaders: list[Any] | None) -> dict[str, Any]:
