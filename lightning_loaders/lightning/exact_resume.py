@@ -19,10 +19,15 @@ Lightning 2.6 restores where training stood, but not where validation stood:
   resumes at the epoch's first batch. Resumed on fewer ranks (an elastic iterable, with more
   batches per rank), that checkpoint's batch count is not taken for the epoch's end at all:
   the next epoch counts on from it and ends early.
+- A mid-epoch restart on another world size keeps Lightning's per-rank batch count of the
+  epoch in the old layout's batches, while the loaders deal the rest of the epoch to the new
+  layout: on more ranks Lightning ends the epoch before the loaders' rest (1 rank to 2 after 5
+  of 16 batches: 3 of the 6 batches left, 10 of 32 samples lost), on fewer ``batch_idx`` is off.
 
 ``ExactResume`` saves, with every checkpoint, which validation is pending and the validation
 loaders' states; on restore it runs the pending validation (or the rest of it) once, before
-training goes on, and lets the next epoch start as usual. It also logs, once per checkpoint
+training goes on, lets the next epoch start as usual, and counts a resumed epoch's batches from
+where the training loaders resume (their ``resume_batch()``). It also logs, once per checkpoint
 save, each training loader's cursor and resume-audit digest, so that two runs can be compared
 from their logs.
 """
@@ -110,7 +115,16 @@ class ExactResume(Callback):
       training loaders'), so a shuffled validation loader goes on with the order of its next
       pass;
     - after a checkpoint at the last batch of an epoch, the next epoch starts as usual (with
-      its ``on_train_epoch_start``), and checkpoints written in it resume exactly too.
+      its ``on_train_epoch_start``), and checkpoints written in it resume exactly too;
+    - after a mid-epoch checkpoint resumed on another world size (an elastic resume), the
+      epoch's batches are counted from where the training loaders resume on the new layout
+      (``resume_batch()`` of this package's loaders), so Lightning asks for exactly the batches
+      they have left and ``batch_idx`` runs on as the new layout counts. Several training
+      loaders in a ``CombinedLoader`` are counted by the one their mode ends the epoch with
+      (``max_size_cycle``: the longest; ``max_size``: most batches left; ``min_size``: fewest);
+      ``sequential`` and a ``limit_train_batches`` below a loader's length are left as they
+      are. With ``accumulate_grad_batches`` the optimizer steps follow the new layout's count
+      (the first may accumulate fewer batches); the logger step goes on from the saved one.
 
     This holds for ``val_check_interval`` as a fraction or an integer (also with
     ``check_val_every_n_epoch=None``), ``check_val_every_n_epoch > 1``, ``limit_val_batches``,
@@ -162,6 +176,12 @@ class ExactResume(Callback):
       ``fit_loop.epoch_progress.current`` one back, for ``current_epoch`` and the loaders'
       ``set_epoch`` (``loops/evaluation_loop.py:252-255``); ``fit_loop.reset_restart_stage()``
       (``fit_loop.py:380-381``) lets ``on_advance_start`` (``:447-454``) start the next epoch.
+    - ``loops/training_epoch_loop.py:191-230`` (``reset``) and ``:442-454``
+      (``_num_ready_batches_reached``, ``_should_accumulate``): a restart goes on counting
+      ``batch_progress.current.ready`` (``batch_idx`` is ``ready - 1``, ``:106-110, 314``)
+      from the saved count and ends the epoch when it reaches ``num_training_batches``; ``reset``
+      advances ``_batches_that_stepped`` when ``_should_accumulate()`` is false. It runs after
+      ``on_train_start``, where ``ExactResume`` moves the count.
     - ``loops/training_epoch_loop.py:281-295``: afterwards Lightning does not validate at that
       step again (it counts the pass done, or skips it when restarted "on last"); the pass's
       ``on_iteration_done`` (``loops/loop.py:109-113``) clears the validation loop's restart

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities import CombinedLoader
 from lightning_loaders import ExactResume, ResumableLoader
 from lightning_loaders.sources.shards import GeneratorSource, SequenceSource
 from tests.conftest import IndexDataset
+from tests.ddp_harness import REPO, run_ddp
 from tests.lightning_harness import (
     RecordingModule,
     Step,
@@ -31,15 +32,15 @@ from tests.lightning_harness import (
 )
 
 SAMPLES, BATCH, EPOCHS = 32, 2, 2
-Make = Callable[[int, int], Any]  # (rank, world_size) -> a training loader
+Make = Callable[[int | None, int | None], Any]  # (rank, world_size) -> a training loader
 
 
-def map_style(rank: int, world_size: int) -> ResumableLoader:
+def map_style(rank: int | None, world_size: int | None) -> ResumableLoader:
     return ResumableLoader(IndexDataset(SAMPLES), batch_size=BATCH, shuffle=True, seed=3,
                            rank=rank, world_size=world_size)
 
 
-def iterable(rank: int, world_size: int) -> ResumableLoader:
+def iterable(rank: int | None, world_size: int | None) -> ResumableLoader:
     """Four shards of known length over canonical partitions (4: a multiple of 1 and 2)."""
     shards = [list(range(start, start + 8)) for start in range(0, SAMPLES, 8)]
     return ResumableLoader(SequenceSource(shards), batch_size=BATCH, shuffle=True, seed=3,
@@ -138,6 +139,26 @@ def test_a_mid_epoch_checkpoint_resumes_on_fewer_ranks_with_batch_idx_of_the_new
         assert _batch_indices(resumed[0], 1) == list(range(16)), step
 
 
+def test_real_ddp_resumes_a_one_rank_checkpoint_on_two_ranks(tmp_path: Path) -> None:
+    """One 2-process DDP launch (gloo, ranks placed by Lightning) resumes 1-rank checkpoints
+    of both loader kinds mid-epoch: every sample of every epoch once, ``batch_idx`` counted
+    on the 2-rank layout."""
+    steps = (5, 10)
+    runs = {kind: _runs(make, 1, tmp_path / kind) for kind, make in LOADERS.items()}
+    ranks = run_ddp(REPO / "tests" / "scripts" / "elastic_resume_ddp.py",
+                    ["--ckpt-root", str(tmp_path),
+                     *[arg for kind in LOADERS for step in steps
+                       for arg in ("--resume", kind, str(step))]], tmp_path / "ddp")
+    assert [rank["rank"] for rank in ranks] == [0, 1]
+    for kind in LOADERS:
+        for step in steps:
+            resumed = [[(e, b, ids) for e, b, ids in rank["resumes"][f"{kind} {step}"]]
+                       for rank in ranks]
+            _check_exactly_once(runs[kind], step, resumed)
+            first = 8 - -(-(SAMPLES - step * BATCH) // (2 * BATCH))
+            assert [_batch_indices(run, 0) for run in resumed] == [list(range(first, 8))] * 2
+
+
 def test_without_it_a_resume_on_more_ranks_loses_the_rest_of_the_epoch(tmp_path: Path) -> None:
     """What ``ExactResume`` repairs: Lightning counts the 5 batches of the 1-rank layout into
     the 8 of the 2-rank one and asks for 3 of the 6 batches left (10 of 32 samples lost)."""
@@ -213,7 +234,7 @@ def test_a_combined_loader_follows_the_member_its_mode_ends_the_epoch_with(
     """Two map-style members (32 and 16 samples); resumed on 2 ranks after 5 batches, each
     mode asks for as many combined batches as its rule leaves, counted from batch 2 of the
     new layout: every sample of the member it follows once in the epoch."""
-    def make(rank: int, world_size: int) -> CombinedLoader:
+    def make(rank: int | None, world_size: int | None) -> CombinedLoader:
         short = ResumableLoader(IndexDataset(16), batch_size=BATCH, shuffle=True, seed=4,
                                 rank=rank, world_size=world_size)
         return CombinedLoader({"long": map_style(rank, world_size), "short": short}, mode)
