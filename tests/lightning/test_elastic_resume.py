@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from lightning.pytorch.utilities import CombinedLoader
 
-from lightning_loaders import ExactResume, ResumableLoader
+from lightning_loaders import ExactResume, ResumableDataModule, ResumableLoader
 from lightning_loaders.sources.shards import GeneratorSource, SequenceSource
 from tests.conftest import IndexDataset
 from tests.ddp_harness import REPO, run_ddp
@@ -29,6 +29,7 @@ from tests.lightning_harness import (
     checkpoint_at,
     every_step_checkpoints,
     fit_recording,
+    make_trainer,
 )
 
 SAMPLES, BATCH, EPOCHS = 32, 2, 2
@@ -157,6 +158,38 @@ def test_real_ddp_resumes_a_one_rank_checkpoint_on_two_ranks(tmp_path: Path) -> 
             _check_exactly_once(runs[kind], step, resumed)
             first = 8 - -(-(SAMPLES - step * BATCH) // (2 * BATCH))
             assert [_batch_indices(run, 0) for run in resumed] == [list(range(first, 8))] * 2
+
+
+class _Data(ResumableDataModule):
+    """The map-style loader from a data module, which carries the training cursor itself."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__()
+        self.rank, self.world_size = rank, world_size
+
+    def train_dataloader(self) -> Any:
+        return map_style(self.rank, self.world_size)
+
+
+def test_with_resumable_data_module(tmp_path: Path) -> None:
+    """The cursor the data module restores is the one counted from: 1 -> 2 ranks after 5."""
+    full = _fit_data(0, 1, tmp_path / "rank0")
+    ckpt = checkpoint_at(tmp_path / "rank0" / "checkpoints", 5)
+    resumed = [_fit_data(rank, 2, tmp_path / f"up{rank}", ckpt) for rank in (0, 1)]
+    _check_exactly_once([full], 5, resumed)
+    assert [_batch_indices(run, 0) for run in resumed] == [list(range(2, 8))] * 2
+
+
+def _fit_data(rank: int, world_size: int, root: Path, ckpt: Path | None = None) -> list[Step]:
+    callbacks: list[Any] = [ExactResume()]
+    if ckpt is None:
+        callbacks.append(every_step_checkpoints(root / "checkpoints"))
+    model = RecordingModule()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(root, EPOCHS, callbacks).fit(model, datamodule=_Data(rank, world_size),
+                                                  ckpt_path=ckpt)
+    return model.seen
 
 
 def test_without_it_a_resume_on_more_ranks_loses_the_rest_of_the_epoch(tmp_path: Path) -> None:
