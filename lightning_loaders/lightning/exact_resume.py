@@ -19,10 +19,15 @@ Lightning 2.6 restores where training stood, but not where validation stood:
   resumes at the epoch's first batch. Resumed on fewer ranks (an elastic iterable, with more
   batches per rank), that checkpoint's batch count is not taken for the epoch's end at all:
   the next epoch counts on from it and ends early.
+- A mid-epoch restart on another world size keeps Lightning's per-rank batch count of the
+  epoch in the old layout's batches, while the loaders deal the rest of the epoch to the new
+  layout: on more ranks Lightning ends the epoch before the loaders' rest (1 rank to 2 after 5
+  of 16 batches: 3 of the 6 batches left, 10 of 32 samples lost), on fewer ``batch_idx`` is off.
 
 ``ExactResume`` saves, with every checkpoint, which validation is pending and the validation
 loaders' states; on restore it runs the pending validation (or the rest of it) once, before
-training goes on, and lets the next epoch start as usual. It also logs, once per checkpoint
+training goes on, lets the next epoch start as usual, and counts a resumed epoch's batches from
+where the training loaders resume (their ``resume_batch()``). It also logs, once per checkpoint
 save, each training loader's cursor and resume-audit digest, so that two runs can be compared
 from their logs.
 """
@@ -35,6 +40,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import lightning as L
@@ -109,7 +115,16 @@ class ExactResume(Callback):
       training loaders'), so a shuffled validation loader goes on with the order of its next
       pass;
     - after a checkpoint at the last batch of an epoch, the next epoch starts as usual (with
-      its ``on_train_epoch_start``), and checkpoints written in it resume exactly too.
+      its ``on_train_epoch_start``), and checkpoints written in it resume exactly too;
+    - after a mid-epoch checkpoint resumed on another world size (an elastic resume), the
+      epoch's batches are counted from where the training loaders resume on the new layout
+      (``resume_batch()`` of this package's loaders), so Lightning asks for exactly the batches
+      they have left and ``batch_idx`` runs on as the new layout counts. Several training
+      loaders in a ``CombinedLoader`` are counted by the one their mode ends the epoch with
+      (``max_size_cycle``: the longest; ``max_size``: most batches left; ``min_size``: fewest);
+      ``sequential`` and a ``limit_train_batches`` below a loader's length are left as they
+      are. With ``accumulate_grad_batches`` the optimizer steps follow the new layout's count
+      (the first may accumulate fewer batches); the logger step goes on from the saved one.
 
     This holds for ``val_check_interval`` as a fraction or an integer (also with
     ``check_val_every_n_epoch=None``), ``check_val_every_n_epoch > 1``, ``limit_val_batches``,
@@ -161,6 +176,12 @@ class ExactResume(Callback):
       ``fit_loop.epoch_progress.current`` one back, for ``current_epoch`` and the loaders'
       ``set_epoch`` (``loops/evaluation_loop.py:252-255``); ``fit_loop.reset_restart_stage()``
       (``fit_loop.py:380-381``) lets ``on_advance_start`` (``:447-454``) start the next epoch.
+    - ``loops/training_epoch_loop.py:191-230`` (``reset``) and ``:442-454``
+      (``_num_ready_batches_reached``, ``_should_accumulate``): a restart goes on counting
+      ``batch_progress.current.ready`` (``batch_idx`` is ``ready - 1``, ``:106-110, 314``)
+      from the saved count and ends the epoch when it reaches ``num_training_batches``; ``reset``
+      advances ``_batches_that_stepped`` when ``_should_accumulate()`` is false. It runs after
+      ``on_train_start``, where ``ExactResume`` moves the count.
     - ``loops/training_epoch_loop.py:281-295``: afterwards Lightning does not validate at that
       step again (it counts the pass done, or skips it when restarted "on last"); the pass's
       ``on_iteration_done`` (``loops/loop.py:109-113``) clears the validation loop's restart
@@ -234,18 +255,26 @@ class ExactResume(Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Let the next epoch start as usual after a restart at an epoch's last batch (also
-        on another world size, where that epoch had fewer or more batches per rank), and run
-        the validation pending in the checkpoint as the epoch loop runs it."""
+        on another world size, where that epoch had fewer or more batches per rank), run the
+        validation pending in the checkpoint as the epoch loop runs it, and, mid-epoch, count
+        the epoch's batches from where the training loaders resume on this layout."""
         fit_loop = trainer.fit_loop
         epoch_loop = fit_loop.epoch_loop
         if (fit_loop.restarted_mid_epoch and epoch_loop.restarted_on_train_batch_end
                 and epoch_loop.batch_progress.is_last_batch):
             fit_loop.reset_restart_stage()
             _count_as_epoch_end(epoch_loop.batch_progress.current, trainer.num_training_batches)
+        self._run_pending(trainer, pl_module)
+        if fit_loop.restarted_mid_epoch:
+            _count_from_loaders(trainer)
+
+    def _run_pending(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Run the validation pending in the checkpoint as the epoch loop runs it."""
+        fit_loop = trainer.fit_loop
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        val_loop = epoch_loop.val_loop
+        val_loop = fit_loop.epoch_loop.val_loop
         has_run = val_loop._has_run
         self._resuming = pending
         with _epoch_as(trainer, self._epoch):
@@ -339,6 +368,65 @@ def _count_as_epoch_end(current: Any, batches: float) -> None:
         return
     current.ready = current.started = current.processed = int(batches)
     current.completed = int(batches) - 1
+
+
+def _count_from_loaders(trainer: L.Trainer) -> None:
+    """Mid-epoch restart: count the epoch's batches (``batch_progress.current``, hence
+    ``batch_idx``) from where the training loaders resume on this layout, so that Lightning,
+    which ends the epoch when the count reaches ``num_training_batches``, asks for exactly
+    the batches they have left.
+
+    Saved on another world size (an elastic resume), the count is in the old layout's units:
+    resumed on more ranks, Lightning would stop early and the loaders' tail of the epoch be
+    lost; on fewer, ``batch_idx`` would be off. On the same layout the counts agree and
+    nothing changes. The logger step (``_batches_that_stepped``, which ``reset`` advances when
+    the saved step stepped the optimizer) is kept as the saved count gives it; with
+    ``accumulate_grad_batches`` the accumulation then follows this layout's count."""
+    target = _resume_batch(trainer)
+    epoch_loop = trainer.fit_loop.epoch_loop
+    current: Any = epoch_loop.batch_progress.current  # a _BatchProgress tracker
+    if target is None or target == current.ready:
+        return
+    stepped = not epoch_loop._should_accumulate()
+    shift = target - current.ready
+    current.ready += shift
+    current.started += shift
+    current.processed += shift
+    current.completed += shift
+    if epoch_loop.restarted_on_train_batch_end or not epoch_loop.restarted_on_last:
+        epoch_loop._batches_that_stepped += int(stepped) - int(not epoch_loop._should_accumulate())
+
+
+def _resume_batch(trainer: L.Trainer) -> int | None:
+    """The batch of the epoch at which the training loaders resume on this layout, counted as
+    ``num_training_batches`` counts (``None``: not known, or nothing to count from).
+
+    Each loader's ``resume_batch()`` says where it resumes in its own ``len()``; the combined
+    count follows the loaders the mode ends the epoch with: a lone loader; in a
+    ``CombinedLoader``, ``"max_size_cycle"`` the longest (the shorter ones cycle),
+    ``"max_size"`` the one with most batches left, ``"min_size"`` the one with fewest;
+    ``"sequential"`` and ``limit_train_batches`` below a loader's length are not counted."""
+    combined = trainer.fit_loop._combined_loader
+    total = trainer.num_training_batches
+    if combined is None or total == float("inf") or combined._mode == "sequential":
+        return None
+    rests: list[tuple[int, int | None]] = []  # (length, batches left) per loader
+    for loader, limit in zip(combined.flattened, combined.limits or repeat(float("inf")),
+                             strict=False):
+        length = sized_len(loader)
+        if length is None or limit < length:
+            return None
+        resume_batch = getattr(loader, "resume_batch", None)
+        batch = resume_batch() if callable(resume_batch) else None
+        rests.append((length, None if batch is None else length - batch))
+    if combined._mode == "max_size_cycle":
+        longest = max(length for length, _ in rests)
+        rests = [(length, rest) for length, rest in rests if length == longest]
+    left = [rest for _, rest in rests if rest is not None]
+    if not left or len(left) < len(rests):
+        return None
+    rest = min(left) if combined._mode == "min_size" else max(left)
+    return min(max(int(total) - rest, 0), int(total))
 
 
 def _state(epoch: int, pending: _Pending | None, loaders: list[Any] | None) -> dict[str, Any]:

@@ -53,6 +53,8 @@ class Schedule(Protocol):
 
     def num_batches(self) -> int: ...
 
+    def resume_batch(self) -> int | None: ...
+
     def state_dict(self, held: int = 0) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
@@ -94,6 +96,17 @@ class DeliveryCore:
     def epoch(self) -> int | None:
         """The epoch being delivered (``None`` before the first batch)."""
         return self.schedule.epoch
+
+    def resume_batch(self) -> int | None:
+        """The batch of its epoch at which a restored state (``load_state_dict``, not yet
+        iterated) resumes on this rank and world size, counted as ``len()`` counts: ``len()``
+        minus the batches it has left. ``None`` without a restored state pending, or when it
+        cannot be known (unknown lengths, ``last_batch='rollover'``). Starts nothing.
+
+        On another world size than the state's (an elastic resume) the rest of the epoch is
+        dealt anew; a trainer's per-epoch batch count belongs here (``ExactResume`` sets
+        Lightning's), so that it asks for exactly the batches left."""
+        return self.schedule.resume_batch()
 
     def set_epoch(self, epoch: int) -> None:
         """Ask for ``epoch`` at the next epoch start; a restored cursor wins over an earlier

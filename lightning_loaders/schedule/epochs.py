@@ -37,9 +37,10 @@ __all__ = ["EpochOwner", "following_epoch", "still_draining", "trainer_moved_on"
 class EpochOwner:
     """Base of the schedules: placement, the trainer's epoch, and the epoch-start decision.
 
-    A subclass implements ``num_batches``, ``_resume`` (apply a restored state), ``_has_rest``
-    (whether the current epoch has batches left) and ``_start_epoch`` (begin an epoch at its
-    first batch), plus ``state_dict``/``load_state_dict``.
+    A subclass implements ``num_batches``, ``_resume`` (apply a restored state), ``_rest_of``
+    (the batches a restored state has left, without applying it), ``_has_rest`` (whether the
+    current epoch has batches left) and ``_start_epoch`` (begin an epoch at its first batch),
+    plus ``state_dict``/``load_state_dict``.
     """
 
     def __init__(self, rank: int | None, world_size: int | None) -> None:
@@ -53,6 +54,7 @@ class EpochOwner:
         self._trainer_epoch: int | None = None
         self._owner: int | None = None
         self._declared_for: LoaderState | None = None  # the restored state set_epoch followed
+        self._recounted: LoaderState | None = None  # the restored state resume_batch answered
 
     @property
     def placement(self) -> tuple[int, int]:
@@ -90,6 +92,33 @@ class EpochOwner:
         self._owner = trainer
         self._start_epoch(epoch, rank, world_size)
 
+    def resume_batch(self) -> int | None:
+        """The batch of its epoch at which the restored state resumes on this placement, as
+        the epoch would count it had it run here from its start: ``num_batches()`` minus the
+        batches the state has left here (``num_batches()`` once they are none). ``None``
+        without a restored state pending, or when it cannot be known (unknown lengths,
+        ``last_batch='rollover'``, a state that will not apply).
+
+        Computed from the state alone: nothing starts and the state stays pending (the epoch
+        is decided at the first ``next()``). On the layout the state was saved on, it is the
+        caller's own count of the epoch's batches; after an elastic resume (another world
+        size) the rest of the epoch is dealt anew, and a trainer that counts from here
+        (``ExactResume``) asks for exactly the batches left, so the warning that an elastic
+        resume runs past ``len()`` is not given for this state."""
+        state = self._pending
+        if state is None:
+            return None
+        rank, world_size = self.placement
+        try:
+            rest = self._rest_of(state, rank, world_size)
+            total = self.num_batches()
+        except (TypeError, ValueError):
+            return None
+        if rest is None:
+            return None
+        self._recounted = state
+        return max(total - rest, 0)
+
     def num_batches(self) -> int:
         """Batches per epoch on this rank (equal on every rank)."""
         raise NotImplementedError
@@ -103,6 +132,11 @@ class EpochOwner:
         raise NotImplementedError
 
     def _resume(self, state: LoaderState, rank: int, world_size: int) -> None:
+        raise NotImplementedError
+
+    def _rest_of(self, state: LoaderState, rank: int, world_size: int) -> int | None:
+        """Batches of its epoch a restored ``state`` has left on this placement (``None``:
+        unknown); raises ``ValueError`` or ``TypeError`` as ``_resume`` would."""
         raise NotImplementedError
 
     def _has_rest(self) -> bool:

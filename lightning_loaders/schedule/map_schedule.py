@@ -129,26 +129,38 @@ class MapSchedule(EpochOwner):
         self.plan = self.plan_for(epoch, world_size, offset_position)
 
     def _resume(self, state: LoaderState, rank: int, world_size: int) -> None:
-        if state.world_size == world_size:
-            self._start(state.epoch, state.batches, state.offset_batches, world_size,
-                        state.offset_position, state.trainer_epoch)
-            return
-        if self.last_batch == "rollover":
-            raise ValueError(f"cannot resume last_batch='rollover' with another world size: "
-                             f"saved {state.world_size}, now {world_size}")
-        saved = self.plan_for(state.epoch, state.world_size, state.offset_position)
-        position = saved.consumed(state.batches - state.offset_batches)
-        self._start(state.epoch, state.batches, state.batches, world_size, position,
+        offset_batches, position = self._continuation(state, world_size)
+        self._start(state.epoch, state.batches, offset_batches, world_size, position,
                     state.trainer_epoch)
+        if state.world_size == world_size or self._recounted is state:
+            return
         full_epoch = self.plan_for(state.epoch, world_size).num_batches
         if state.batches + self.remaining > full_epoch:
             warnings.warn(
                 f"elastic resume from world size {state.world_size} to {world_size} after "
                 f"{state.batches} batches leaves {self.remaining} batches in this epoch, "
                 f"past len()={full_epoch}: a trainer that stops at len() (Lightning does) would "
-                "skip the last ones. Resume at an epoch end, or on fewer ranks.",
+                "skip the last ones. Resume with lightning_loaders.ExactResume (it recounts "
+                "Lightning's batches), at an epoch end, or on fewer ranks.",
                 stacklevel=4,
             )
+
+    def _continuation(self, state: LoaderState, world_size: int) -> tuple[int, int]:
+        """``(offset_batches, offset_position)`` of the plan a restored state goes on under
+        on ``world_size``: its own on the same world size, else the rest of its epoch from the
+        position the saved plan had read up to, dealt anew."""
+        if state.world_size == world_size:
+            return state.offset_batches, state.offset_position
+        if self.last_batch == "rollover":
+            raise ValueError(f"cannot resume last_batch='rollover' with another world size: "
+                             f"saved {state.world_size}, now {world_size}")
+        saved = self.plan_for(state.epoch, state.world_size, state.offset_position)
+        return state.batches, saved.consumed(state.batches - state.offset_batches)
+
+    def _rest_of(self, state: LoaderState, rank: int, world_size: int) -> int | None:
+        offset_batches, position = self._continuation(state, world_size)
+        plan = self.plan_for(state.epoch, world_size, position)
+        return plan.num_batches - (state.batches - offset_batches)
 
     # -- state ------------------------------------------------------------------------------
 

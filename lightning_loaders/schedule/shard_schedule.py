@@ -258,6 +258,12 @@ class IterableSchedule(EpochOwner):
                            batches: int) -> None:
         """Take the saved partition count and rebase the deal at the cursor's item, so the
         rest of the epoch is dealt to the current layout."""
+        self.partitions, self.base = self._rebased(slots, saved_world, batches)
+
+    def _rebased(self, slots: Mapping[str, Any], saved_world: int, batches: int
+                 ) -> tuple[int, tuple[int, int]]:
+        """The saved partition count and the deal's ``(first item, first batch)`` that
+        continue a canonical state after ``batches`` on ``saved_world`` ranks."""
         saved = slots.get(_PARTITIONS)
         if saved is None:
             if batches:
@@ -275,8 +281,21 @@ class IterableSchedule(EpochOwner):
                 "partitions the state was saved with: the epoch order depends on them. Pass "
                 f"partitions={saved} (or leave it unset to take the saved number)")
         first, batch = slots.get(_BASE, (0, 0))
-        self.partitions = saved
-        self.base = (first + (batches - batch) * saved_world, batches) if batches else (0, 0)
+        return saved, ((first + (batches - batch) * saved_world, batches) if batches
+                       else (0, 0))
+
+    def _rest_of(self, state: LoaderState, rank: int, world_size: int) -> int | None:
+        slots = state.parts[SLOTS]
+        if slots.get(_ENDED, False):
+            return 0
+        if self.canonical:
+            partitions, (first, _) = self._rebased(slots, state.world_size, state.batches)
+            return len(deal(self.config, state.epoch, partitions, world_size, first)[rank])
+        if not self.known or (state.batches and state.world_size != world_size):
+            return None
+        layout = plan_epoch(self.config, state.epoch, world_size, self.slots)
+        assert layout.num_batches is not None
+        return layout.num_batches - state.batches
 
     def saved_batches(self, state_dict: Mapping[str, Any], rank: int) -> int:
         """Canonical partitions: batches of ``rank`` in the epoch a saved state is in (the
