@@ -18,6 +18,7 @@ from torch.utils.data._utils import worker as torch_worker
 from lightning_loaders.context import WorkerInfo, set_worker
 from lightning_loaders.engines.faults import Failed, OnError
 from lightning_loaders.engines.fetch import BatchFetcher
+from lightning_loaders.engines.transport import RingPacker
 from lightning_loaders.engines.workers import WorkerLost, WorkerPool, WorkerStalled, shutdown
 from lightning_loaders.errors import (
     WorkerCrashedError,
@@ -51,6 +52,9 @@ class WorkerLoader(DeliveryCore):
 
     schedule: Any
     _initialized = False
+    shared_ring = True
+    """Worker processes send batches through reusable shared-memory rings
+    (``engines.transport``); ``False`` (set before iterating) uses torch's per-batch segments."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Refuse, as ``DataLoader`` does, to change how batches are made once built."""
@@ -123,7 +127,10 @@ class WorkerLoader(DeliveryCore):
         if self._torch_loader is None:
             rank, world_size = self.schedule.placement
             extra: dict[str, Any] = {}
+            collate: Callable[[Any], Any] = _passthrough
             if self.num_workers > 0:
+                if self.shared_ring:
+                    collate = RingPacker(slots=(prefetch_factor or 2) + 1)
                 extra = {"prefetch_factor": prefetch_factor,
                          "persistent_workers": self.persistent_workers}
             if self.pin_memory_device:
@@ -133,7 +140,7 @@ class WorkerLoader(DeliveryCore):
                 batch_size=None,
                 sampler=sampler,
                 num_workers=self.num_workers,
-                collate_fn=_passthrough,
+                collate_fn=collate,
                 pin_memory=self.pin_memory,
                 timeout=self.timeout,
                 worker_init_fn=_WorkerStart(self.worker_init_fn, self.num_workers, rank,
