@@ -227,3 +227,17 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@needs_shm
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs a GPU")
+def test_with_pin_memory_batches_are_copied_out_of_the_ring_into_pinned_memory() -> None:
+    pinned = _loader(Samples(12), True, pin_memory=True)
+    batches = list(pinned)
+    tensors = [value for batch in batches for value in batch.values()
+               if isinstance(value, torch.Tensor) and value.numel()]
+    assert tensors and all(tensor.is_pinned() for tensor in tensors)
+    expected = run_epochs(_loader(Samples(12), False), range(1), key=_exact)[0]
+    assert [_exact(batch) for batch in batches] == expected
+    pinned.close()
+    _assert_no_ring_left()
