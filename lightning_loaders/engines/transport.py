@@ -273,12 +273,16 @@ class _Pickler(ForkingPickler):
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self.tensors: list[Any] = []
         self.ring: list[bool] = []
+        self._seen: dict[int, int] = {}
 
     def persistent_id(self, obj: Any) -> int | None:
         if isinstance(obj, torch.Tensor | torch.UntypedStorage | torch.TypedStorage):
-            self.tensors.append(obj)
-            self.ring.append(_ring_ready(obj))
-            return len(self.tensors) - 1
+            index = self._seen.get(id(obj))
+            if index is None:  # a tensor met twice is sent once, and is one tensor again
+                index = self._seen[id(obj)] = len(self.tensors)
+                self.tensors.append(obj)
+                self.ring.append(_ring_ready(obj))
+            return index
         return None
 
 

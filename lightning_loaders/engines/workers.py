@@ -106,6 +106,11 @@ class _WatchedIterator(_MultiProcessingDataLoaderIter):
                     raise
                 raise WorkerLost(dead) from exc
             if found and isinstance(data, tuple) and isinstance(data[1], Packed):
+                # a dead worker's batches stay readable in its ring (torch's cannot be rebuilt
+                # once their sender is gone): report the death now, as torch's path would
+                dead = self._dead_workers(grace_s=0)
+                if dead:
+                    raise WorkerLost(dead)
                 return found, (data[0], self._ring_reader.unpack(data[1], self._pin_memory))
             if found or time.monotonic() >= deadline:
                 return found, data

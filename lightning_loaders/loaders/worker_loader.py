@@ -154,8 +154,8 @@ class WorkerLoader(DeliveryCore):
 
     def _recover(self, lost: WorkerLost) -> None:
         """Stop every worker (new ones start from the cursor) and count a restart, or raise
-        ``WorkerCrashedError`` past ``max_worker_restarts`` in this epoch."""
-        self.close()
+        ``WorkerCrashedError`` past ``max_worker_restarts`` in this epoch (the restart is
+        logged before the workers are stopped, which takes a while)."""
         worker, pid, exitcode = lost.workers[0]
         rank, epoch, batch = self.schedule.placement[0], self.schedule.epoch, self._position()
         what = (f"DataLoader worker {worker} (pid {pid}) {describe_exit(exitcode)} with batch "
@@ -170,6 +170,7 @@ class WorkerLoader(DeliveryCore):
                 fix = (f"gave up after {self._epoch_restarts} restarts in this epoch "
                        f"(max_worker_restarts={self.max_worker_restarts}): look at the "
                        "workers' memory use, or at the samples of that batch")
+            self.close()
             raise WorkerCrashedError(f"{what}; {fix}", worker=worker, pid=pid,
                                      exitcode=exitcode, epoch=epoch, batch=batch, rank=rank,
                                      restarts=self._epoch_restarts) from None
@@ -178,6 +179,7 @@ class WorkerLoader(DeliveryCore):
         _log.warning("%s; restarting %d workers from the cursor (restart %d of at most %d in "
                      "this epoch)", what, self.num_workers, self._epoch_restarts,
                      self.max_worker_restarts)
+        self.close()
 
     def _stall_error(self, stalled: WorkerStalled) -> WorkerTimeoutError:
         """The error for a batch later than ``timeout`` (workers are stopped first)."""
