@@ -43,10 +43,10 @@ from torch.utils.data import get_worker_info
 __all__ = ["MAX_TENSOR_BYTES", "SHM_DIR", "Packed", "RingPacker", "RingReader", "ring_files"]
 
 SHM_DIR = "/dev/shm"
-MAX_TENSOR_BYTES = 2 << 20
+MAX_TENSOR_BYTES = 1 << 20
 """Larger tensors go torch's way: torch's fixed cost per tensor (a file descriptor passed over
-a socket, a mapping) dominates below about 1 MB, the ring's two copies above a few MB
-(``benchmarks/bench_transport.py``)."""
+a socket, a mapping) outweighs the ring's two copies up to about 1 MB; from 2 MB on the copies
+cost more CPU in all (``benchmarks/bench_transport.py``)."""
 _PREFIX = "ll_ring"
 _HEADER = 64  # bytes before a slot's data: byte 0 is 1 while the slot carries a result
 _ALIGN = 64
