@@ -23,7 +23,7 @@ from benchmarks.common import RESULTS_DIR, Report, Settings, markdown, write_rep
 __all__ = ["BENCHMARKS", "machine", "main"]
 
 BENCHMARKS = ("overhead", "tensor", "transform", "jpeg", "memory", "resume", "sampler",
-              "epoch_start", "tables", "long_tail", "throughput", "dali", "ffcv")
+              "epoch_start", "tables", "long_tail", "transport", "throughput", "dali", "ffcv")
 OPTIONAL = ("dali", "ffcv")  # written separately; skipped when their module is absent
 
 

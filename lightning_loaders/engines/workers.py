@@ -6,7 +6,9 @@ thread runs at that moment (often the training step, where nothing can recover).
 iterators take their workers off that handler and instead check them every ``POLL_S`` seconds
 while waiting for a batch, raising ``WorkerLost`` from the loader's own ``next()``; a
 ``timeout`` raises ``WorkerStalled`` naming the worker whose batch is due. ``shutdown`` stops
-an iterator's workers without leaving shared memory behind. This relies on private parts of
+an iterator's workers without leaving shared memory behind. Results that workers packed into
+their shared-memory rings (``transport.RingPacker``) are unpacked as soon as they are received,
+freeing their slots. This relies on private parts of
 ``torch.utils.data`` (checked by the tests on every torch upgrade).
 """
 
@@ -20,6 +22,8 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.data import _utils as torch_data_utils
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+from lightning_loaders.engines.transport import Packed, RingReader
 
 __all__ = ["POLL_S", "WorkerLost", "WorkerPool", "WorkerStalled", "shutdown"]
 
@@ -63,6 +67,7 @@ class _WatchedIterator(_MultiProcessingDataLoaderIter):
     first undelivered one than the in-flight window."""
 
     def __init__(self, loader: DataLoader[Any]) -> None:
+        self._ring_reader = RingReader()
         super().__init__(loader)
         if self._worker_pids_set:
             torch_data_utils.signal_handling._remove_worker_pids(id(self))
@@ -100,6 +105,13 @@ class _WatchedIterator(_MultiProcessingDataLoaderIter):
                 if not dead:
                     raise
                 raise WorkerLost(dead) from exc
+            if found and isinstance(data, tuple) and isinstance(data[1], Packed):
+                # a dead worker's batches stay readable in its ring (torch's cannot be rebuilt
+                # once their sender is gone): report the death now, as torch's path would
+                dead = self._dead_workers(grace_s=0)
+                if dead:
+                    raise WorkerLost(dead)
+                return found, (data[0], self._ring_reader.unpack(data[1], self._pin_memory))
             if found or time.monotonic() >= deadline:
                 return found, data
 
@@ -123,13 +135,16 @@ class _WatchedIterator(_MultiProcessingDataLoaderIter):
         exiting = torch_data_utils.python_exit_status is not False
         if self._shutdown or exiting:
             super()._shutdown_workers()
-            return
-        named = torch.multiprocessing.get_sharing_strategy() == "file_system"
-        if named:
-            _receive_outstanding(self, DRAIN_S)
-        super()._shutdown_workers()
-        if named:
-            _drop_unreceived(self)
+        else:
+            named = torch.multiprocessing.get_sharing_strategy() == "file_system"
+            if named:
+                _receive_outstanding(self, DRAIN_S)
+            super()._shutdown_workers()
+            if named:
+                _drop_unreceived(self)
+        reader = getattr(self, "_ring_reader", None)
+        if reader is not None:  # the workers have stopped: no slot of theirs is needed
+            reader.close([w.pid for w in getattr(self, "_workers", [])])
 
     def _get_data(self) -> Any:
         if self._timeout <= 0:

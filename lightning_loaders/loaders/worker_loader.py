@@ -21,6 +21,7 @@ from lightning_loaders.engines.autotune import Autotuner, Setting, Tuning
 from lightning_loaders.engines.faults import Failed, OnError
 from lightning_loaders.engines.fetch import BatchFetcher
 from lightning_loaders.engines.threads import AutoChoice, BackendSwitch, ThreadPool, thread_worker
+from lightning_loaders.engines.transport import RingPacker
 from lightning_loaders.engines.workers import WorkerLost, WorkerPool, WorkerStalled, shutdown
 from lightning_loaders.errors import (
     WorkerCrashedError,
@@ -56,6 +57,9 @@ class WorkerLoader(DeliveryCore):
     schedule: Any
     _initialized = False
     _autotuner: Autotuner | None = None
+    shared_ring = True
+    """Worker processes send batches through reusable shared-memory rings
+    (``engines.transport``); ``False`` (set before iterating) uses torch's per-batch segments."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Refuse, as ``DataLoader`` does, to change how batches are made once built."""
@@ -210,7 +214,10 @@ class WorkerLoader(DeliveryCore):
         if self._torch_loader is None:
             rank, world_size = self.schedule.placement
             extra: dict[str, Any] = {}
+            collate: Callable[[Any], Any] = _passthrough
             if self.num_workers > 0:
+                if self.shared_ring:
+                    collate = RingPacker(slots=(prefetch_factor or 2) + 1)
                 extra = {"prefetch_factor": prefetch_factor,
                          "persistent_workers": self.persistent_workers}
             if self.pin_memory_device:
@@ -220,7 +227,7 @@ class WorkerLoader(DeliveryCore):
                 batch_size=None,
                 sampler=sampler,
                 num_workers=self.num_workers,
-                collate_fn=_passthrough,
+                collate_fn=collate,
                 pin_memory=self.pin_memory,
                 timeout=self.timeout,
                 worker_init_fn=_WorkerStart(self.worker_init_fn, self.num_workers, rank,
@@ -234,11 +241,11 @@ class WorkerLoader(DeliveryCore):
 
     def _recover(self, lost: WorkerLost) -> None:
         """Stop every worker (new ones start from the cursor) and count a restart, or raise
-        ``WorkerCrashedError`` past ``max_worker_restarts`` in this epoch. After
-        ``backend="auto"`` chose processes, only stop the threads: processes go on from the
-        cursor."""
-        self.close()
+        ``WorkerCrashedError`` past ``max_worker_restarts`` in this epoch (the restart is
+        logged before the workers are stopped, which takes a while). After ``backend="auto"``
+        chose processes, only stop the threads: processes go on from the cursor."""
         if isinstance(lost, BackendSwitch):
+            self.close()
             return
         worker, pid, exitcode = lost.workers[0]
         rank, epoch, batch = self.schedule.placement[0], self.schedule.epoch, self._position()
@@ -254,6 +261,7 @@ class WorkerLoader(DeliveryCore):
                 fix = (f"gave up after {self._epoch_restarts} restarts in this epoch "
                        f"(max_worker_restarts={self.max_worker_restarts}): look at the "
                        "workers' memory use, or at the samples of that batch")
+            self.close()
             raise WorkerCrashedError(f"{what}; {fix}", worker=worker, pid=pid,
                                      exitcode=exitcode, epoch=epoch, batch=batch, rank=rank,
                                      restarts=self._epoch_restarts) from None
@@ -262,6 +270,7 @@ class WorkerLoader(DeliveryCore):
         _log.warning("%s; restarting %d workers from the cursor (restart %d of at most %d in "
                      "this epoch)", what, self.num_workers, self._epoch_restarts,
                      self.max_worker_restarts)
+        self.close()
 
     def _stall_error(self, stalled: WorkerStalled) -> WorkerTimeoutError:
         """The error for a batch later than ``timeout`` (workers are stopped first)."""

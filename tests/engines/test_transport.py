@@ -1,0 +1,243 @@
+"""Shared-memory rings between workers and the main process: the stream, state and resume are
+those of torch's transport, delivered batches never alias ring memory, and no slot outlives
+its loader (close, a killed worker, Ctrl-C in the loop, a killed main process)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+from lightning_loaders import ResumableLoader
+from lightning_loaders.engines.transport import MAX_TENSOR_BYTES, ring_files
+from lightning_loaders.testing import check_resume_at_every_step, run_epochs
+from tests.conftest import loader_processes
+from tests.ddp_harness import REPO
+
+
+class Pair(NamedTuple):
+    left: torch.Tensor
+    right: Any
+
+
+def _sample(i: int) -> dict[str, Any]:
+    """Every kind of leaf: tensors of several dtypes and sizes (one of variable length, so
+    slots grow), a 0-dim tensor, an empty one, numpy, strings, numbers, a namedtuple."""
+    return {
+        "index": i,
+        "name": f"sample-{i}",
+        "pixels": torch.full((3, 4, 4), i % 251, dtype=torch.uint8),
+        "ragged": torch.arange(i * 7, dtype=torch.float64),
+        "flags": torch.tensor([i % 2 == 0, i % 3 == 0]),
+        "half": torch.tensor([i / 7], dtype=torch.bfloat16),
+        "complex": torch.tensor([complex(i, -i)]),
+        "scalar": torch.tensor(float(i)),
+        "empty": torch.zeros(0, 5),
+        "numpy": np.full(3, i, dtype=np.int32),
+        "pair": Pair(torch.full((2,), i, dtype=torch.int64), (i, [torch.tensor(i)])),
+    }
+
+
+def _collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stacks what stacks; the ragged tensors are padded to the longest (batches grow); a big
+    tensor (torch's path) and a strided view (not contiguous: torch's path) ride along."""
+    longest = max(len(s["ragged"]) for s in samples)
+    ragged = torch.zeros(len(samples), longest, dtype=torch.float64)
+    for row, s in enumerate(samples):
+        ragged[row, :len(s["ragged"])] = s["ragged"]
+    first = samples[0]["index"]
+    return {
+        "index": torch.tensor([s["index"] for s in samples]),
+        "names": [s["name"] for s in samples],
+        "pixels": torch.stack([s["pixels"] for s in samples]),
+        "ragged": ragged,
+        "flags": torch.stack([s["flags"] for s in samples]),
+        "half": torch.cat([s["half"] for s in samples]),
+        "complex": torch.cat([s["complex"] for s in samples]),
+        "scalar": samples[-1]["scalar"],
+        "empty": samples[0]["empty"],
+        "numpy": np.stack([s["numpy"] for s in samples]),
+        "pairs": [s["pair"] for s in samples],
+        "big": torch.full((MAX_TENSOR_BYTES // 8 + 1,), first, dtype=torch.int64),
+        "strided": torch.arange(20).reshape(4, 5)[:, ::2] + first,
+    }
+
+
+class Samples(Dataset[dict[str, Any]]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return _sample(index)
+
+
+class StreamOfSamples(IterableDataset[dict[str, Any]]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return (_sample(i) for i in range(self.n))
+
+
+def _exact(value: Any) -> Any:
+    """Every byte, dtype and shape of a batch, comparable with ``==``."""
+    if isinstance(value, torch.Tensor):
+        plain = value.contiguous().reshape(-1)
+        return ("tensor", str(value.dtype), tuple(value.shape),
+                plain.view(torch.uint8).numpy().tobytes() if plain.numel() else b"")
+    if isinstance(value, np.ndarray):
+        return ("array", str(value.dtype), value.shape, value.tobytes())
+    if isinstance(value, dict):
+        return {key: _exact(item) for key, item in value.items()}
+    if isinstance(value, tuple | list):
+        return (type(value).__name__, [_exact(item) for item in value])
+    return value
+
+
+def _loader(dataset: Any, ring: bool, **kwargs: Any) -> Any:
+    loader = ResumableLoader(dataset, batch_size=3, num_workers=2, collate_fn=_collate,
+                             seed=5, **kwargs)
+    loader.shared_ring = ring
+    return loader
+
+
+def _ring_mappings() -> list[str]:
+    """This process's memory mappings of ring slots (their names are unlinked once mapped)."""
+    with open("/proc/self/maps") as maps:
+        return [line for line in maps if "/ll_ring_" in line]
+
+
+def _assert_no_ring_left() -> None:
+    assert ring_files(os.getpid()) == []
+    assert _ring_mappings() == []
+
+
+needs_shm = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+
+
+@needs_shm
+@pytest.mark.parametrize("kind", ["map-style", "iterable"])
+def test_the_ring_delivers_the_same_bytes_and_resumes_at_every_step(kind: str) -> None:
+    def make(ring: bool) -> Any:
+        data = Samples(16) if kind == "map-style" else StreamOfSamples(16)
+        return _loader(data, ring, shuffle=kind == "map-style")
+
+    with_ring = check_resume_at_every_step(lambda: make(True), epochs=2, key=_exact)
+    without = run_epochs(make(False), range(2), key=_exact)
+    assert with_ring == without
+    assert sum(map(len, with_ring)) == 12
+    assert loader_processes() == []
+    _assert_no_ring_left()
+
+
+@needs_shm
+def test_delivered_batches_own_their_memory_and_slots_are_reused() -> None:
+    loader = _loader(Samples(60), True)
+    kept = list(loader)  # 20 batches kept while the slots carry the later ones
+    assert len(_ring_mappings()) > 0, "the batches came through the rings"
+    assert len(_ring_mappings()) <= 2 * 3, "at most prefetch_factor + 1 slots per worker"
+    assert ring_files(os.getpid()) == [], "a mapped slot's name is unlinked"
+    expected = run_epochs(_loader(Samples(60), False), range(1), key=_exact)[0]
+    assert [_exact(batch) for batch in kept] == expected
+    kept[0]["pixels"].add_(1)  # writable, and nobody else's
+    assert [_exact(batch) for batch in kept[1:]] == expected[1:]
+    loader.close()
+    _assert_no_ring_left()
+
+
+@needs_shm
+def test_a_killed_worker_is_recovered_exactly_and_leaves_no_slot() -> None:
+    expected = run_epochs(_loader(Samples(30), False, shuffle=True), range(2), key=_exact)
+    loader = _loader(Samples(30), True, shuffle=True)
+    got: list[list[Any]] = []
+    for epoch in range(2):
+        loader.sampler.set_epoch(epoch)
+        got.append([])
+        for batch in loader:
+            got[-1].append(_exact(batch))
+            if epoch == 0 and len(got[-1]) == 3:
+                os.kill(loader_processes()[0].pid, signal.SIGKILL)
+    assert got == expected
+    assert loader.worker_restarts == 1
+    loader.close()
+    _assert_no_ring_left()
+
+
+@needs_shm
+def test_ctrl_c_in_the_loop_leaves_no_worker_and_no_slot() -> None:
+    loader = _loader(Samples(60), True)
+    with pytest.raises(KeyboardInterrupt):
+        for step, _ in enumerate(loader):
+            if step == 2:
+                raise KeyboardInterrupt
+    loader.close()
+    assert loader_processes() == []
+    _assert_no_ring_left()
+
+
+_KILLS_ITSELF = textwrap.dedent("""
+    import os, signal, time
+    import psutil
+    from lightning_loaders import ResumableLoader
+    from tests.engines.test_transport import Samples, _collate
+
+    loader = ResumableLoader(Samples(90), batch_size=3, num_workers=2, collate_fn=_collate,
+                             prefetch_factor=4)
+    iterator = iter(loader)
+    next(iterator)
+    deadline = time.monotonic() + 10  # a prefetched batch's slot, named and not yet mapped
+    while time.monotonic() < deadline and not any(
+            name.startswith(f"ll_ring_{os.getpid()}_") for name in os.listdir("/dev/shm")):
+        time.sleep(0.01)
+    workers = [child.pid for child in psutil.Process().children()]
+    print(" ".join(str(p) for p in [os.getpid(), *workers]), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+@needs_shm
+def test_workers_unlink_their_slots_when_the_main_process_is_killed() -> None:
+    done = subprocess.run([sys.executable, "-c", _KILLS_ITSELF], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    main, *workers = map(int, done.stdout.split())
+    deadline = time.monotonic() + 30  # orphaned workers notice within seconds
+    while time.monotonic() < deadline and any(_alive(pid) for pid in workers):
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in workers)
+    assert ring_files(main) == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@needs_shm
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs a GPU")
+def test_with_pin_memory_batches_are_copied_out_of_the_ring_into_pinned_memory() -> None:
+    pinned = _loader(Samples(12), True, pin_memory=True)
+    batches = list(pinned)
+    tensors = [value for batch in batches for value in batch.values()
+               if isinstance(value, torch.Tensor) and value.numel()]
+    assert tensors and all(tensor.is_pinned() for tensor in tensors)
+    expected = run_epochs(_loader(Samples(12), False), range(1), key=_exact)[0]
+    assert [_exact(batch) for batch in batches] == expected
+    pinned.close()
+    _assert_no_ring_left()
