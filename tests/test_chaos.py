@@ -51,6 +51,7 @@ CHAOS_SEED = 20260522
 EPOCHS = 3
 TRAINER_KILLS = 12
 WORKER_KILLS = 3
+KILL_MARGIN = 10  # steps a kill target leaves before the end of the run
 RESTART = "restarting 2 workers from the cursor"  # logged when the loader replaces them
 
 
@@ -186,7 +187,8 @@ def _chaos_run(zygote: TrainingZygote, kind: str, root: Path, steps_per_epoch: i
         log = out / f"attempt-{attempts}.jsonl"
         target = None
         if kills < TRAINER_KILLS:
-            target = min(resume + rng.randint(0, 2 * gap), total - 4)
+            # far enough from the end that a fast run cannot finish before the kill lands
+            target = min(resume + rng.randint(0, 2 * gap), total - KILL_MARGIN)
             target = next((b for b in boundaries if resume <= b <= target), target)
         pid = zygote.start(kind=kind, out=str(out), log=str(log), epochs=EPOCHS,
                            max_steps=total)
