@@ -211,9 +211,25 @@ class SlotFetcher(Dataset[Any]):
 
     def thread_copy(self) -> SlotFetcher:
         """A copy for one worker thread: its own open readers (as a worker process has), the
-        source shared with the main process, which sets its epoch (``set_epoch``) for all."""
+        source shared with the main process, which sets its epoch (``set_epoch``) for all.
+
+        A plain ``IterableDataset`` is copied for each thread instead, as each worker process
+        has its own: its iterator may keep state on the object (a Hugging Face
+        ``IterableDataset`` does, and two threads iterating one object lost samples); each
+        thread then forwards the epoch to its copy. One that cannot be copied is refused."""
         mine = copy.copy(self)
         mine._readers, mine._partitions, mine._shares_source = {}, {}, True
+        if isinstance(self.source, PlainStream):
+            try:
+                stream = copy.deepcopy(self.source)
+            except Exception as exc:
+                raise TypeError(
+                    f"backend='thread' reads a plain IterableDataset through a copy per thread "
+                    f"(its iterator may keep state on the object), but this "
+                    f"{type(self.dataset).__name__} cannot be copied ({type(exc).__name__}: "
+                    f"{exc}): use backend='process', or wrap the data in a ShardedSource"
+                ) from exc
+            mine.source, mine.dataset, mine._shares_source = stream, stream.dataset, False
         return mine
 
     def __getitem__(self, request: SlotRequest | PartRequest) -> Delivered | SlotEnd:

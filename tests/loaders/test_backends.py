@@ -410,3 +410,23 @@ def test_pin_memory_under_threads_without_an_accelerator_warns_and_keeps_the_str
     loader = _map_loader("thread", 2, pin_memory=True)
     with pytest.warns(UserWarning, match="no accelerator"):
         assert _epochs(loader) == map_reference["batched"]
+
+
+class _Locked(IterableDataset[int]):
+    """A plain stream holding a lock: it cannot be copied for each thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def __iter__(self):
+        yield from range(8)
+
+
+def test_a_plain_stream_that_cannot_be_copied_per_thread_is_refused_with_the_fix() -> None:
+    loader = ResumableLoader(_Locked(), batch_size=2, num_workers=2, backend="thread")
+    with pytest.raises(TypeError, match="copy per thread.*_Locked cannot be copied.*"
+                                        "backend='process'"):
+        next(iter(loader))
+    loader.close()
+    processes = ResumableLoader(_Locked(), batch_size=2, num_workers=2)  # each has its copy
+    assert sorted(i for batch in processes for i in batch.tolist()) == list(range(8))

@@ -182,15 +182,17 @@ def _epoch_ids(loader: Any, epochs: int) -> list[list[int]]:
 # -- exactly once ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", ["process", "thread"])
 @pytest.mark.parametrize("name", BUILDERS)
 @pytest.mark.parametrize("workers", [0, 2, 3])
-def test_every_sample_arrives_exactly_once_per_epoch(name, workers, data_dir) -> None:
+def test_every_sample_arrives_exactly_once_per_epoch(name, workers, backend, data_dir) -> None:
+    """Also under threads, where several slots read the dataset as its only reader at once."""
     build = BUILDERS[name]
     reference = DataLoader(build(str(data_dir)), batch_size=BATCH, num_workers=workers)
     expected = Counter(i for batch in reference for i in batch["id"].tolist())
     assert expected == Counter(range(TOTAL))
     loader = ResumableLoader(build(str(data_dir)), batch_size=BATCH, num_workers=workers,
-                             seed=5)
+                             seed=5, backend=backend)
     for epoch, ids in enumerate(_epoch_ids(loader, 2)):
         assert Counter(ids) == expected, f"epoch {epoch}: {len(ids)} of {TOTAL} ids"
     loader.close()
