@@ -105,7 +105,9 @@ def main() -> None:
     for gathered, mine in zip(runs, (full, before, after), strict=True):
         gathered.extend([None] * dist.get_world_size())
         dist.all_gather_object(gathered, mine)
-    if dist.get_rank() != 0:
+    rank = dist.get_rank()
+    dist.destroy_process_group()  # before exiting, so that no rank exits with gloo's threads alive
+    if rank != 0:
         return
     ranks_full, ranks_before, ranks_after = runs
     exactly_once = all(

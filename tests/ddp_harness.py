@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 REPO = Path(__file__).resolve().parent.parent
 RESULT_DIR_ENV = "LL_TEST_RESULT_DIR"
 
@@ -55,7 +57,12 @@ def run_ddp(script: str | Path, args: list[str], result_dir: Path, world_size: i
 
 
 def write_result(result: Any) -> None:
-    """Called inside a rank: report ``result`` (JSON-serialisable) to the launching test."""
+    """Called at the end of a rank: report ``result`` (JSON-serialisable) to the launching test,
+    then wait for the other ranks and close the process group (a rank that exits with gloo's
+    threads still running can abort: "terminate called without an active exception")."""
     rank = int(os.environ.get("RANK", 0))
     path = Path(os.environ[RESULT_DIR_ENV]) / f"rank{rank}.json"
     path.write_text(json.dumps(result))
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -58,7 +58,6 @@ def main() -> None:
         loader.close()
         dist.barrier()
     write_result(results)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
