@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence, Sized
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -33,7 +33,7 @@ __all__ = [
     "WorkerInfo",
     "sample_context",
     "sample_rng",
-    "set_sample",
+    "set_samples",
     "worker_info",
 ]
 
@@ -117,16 +117,23 @@ class WorkerInfo(int):
                 f"backend={self.backend!r})")
 
 
-_SampleKey = tuple[int, int, int, int, int]  # SampleContext's fields, in order
+_Column = Sequence[int] | np.ndarray[Any, Any]
+_Samples = tuple[int, int, _Column, _Column, _Column]
+"""The samples of one fetch: ``(seed, rank, epochs, positions, indices)``, one entry per
+sample in each column."""
 
 
 class _Current(threading.local):
     """Per thread: a worker (process or thread) serves exactly one loader, and in the main
     thread these are set only for the duration of one fetch, so loaders never see each other's
-    values. The sample is set as a plain tuple (once per sample, so it must be cheap) and
-    becomes a ``SampleContext`` only when user code asks for it."""
+    values. The samples of a fetch are published once; the one being fetched is number
+    ``skipped + len(fetched)``, where ``fetched`` is the list the engine appends the fetched
+    samples to, so the engine's loop does nothing per sample for it. A ``SampleContext`` is
+    built only when user code asks for it."""
 
-    sample: SampleContext | _SampleKey | None = None
+    samples: _Samples | None = None
+    fetched: Sized = ()
+    skipped: int = 0
     worker: WorkerInfo | None = None
 
 
@@ -135,13 +142,13 @@ _current = _Current()
 
 def sample_context() -> SampleContext:
     """The sample being fetched; only valid inside ``__getitem__`` or a transform it calls."""
-    current = _current.sample
-    if current is None:
+    current = _current
+    if current.samples is None:
         raise RuntimeError("sample_context() is only available while a ResumableLoader fetches "
                            "a sample (inside the dataset's __getitem__ or its transforms)")
-    if type(current) is tuple:
-        current = _current.sample = SampleContext(*current)
-    return current  # type: ignore[return-value]
+    seed, rank, epochs, positions, indices = current.samples
+    k = current.skipped + len(current.fetched)
+    return SampleContext(seed, int(epochs[k]), int(positions[k]), int(indices[k]), rank)
 
 
 def sample_rng() -> np.random.Generator:
@@ -155,10 +162,14 @@ def worker_info() -> WorkerInfo | None:
     return _current.worker
 
 
-def set_sample(sample: _SampleKey | None) -> None:
-    """Publish the sample about to be fetched, as ``(seed, epoch, position, index, rank)``
-    (``None`` once the fetch is over): for engines that call the user's ``__getitem__``."""
-    _current.sample = sample
+def set_samples(samples: _Samples | None, fetched: Sized = ()) -> _Current:
+    """Publish the samples of a fetch (``None`` once it is over), for engines that call the
+    user's ``__getitem__``: ``fetched`` is the list the engine appends each fetched sample to;
+    one it leaves out (``on_error="skip"``) it counts in the returned record's ``skipped``."""
+    _current.samples = samples
+    _current.fetched = fetched
+    _current.skipped = 0
+    return _current
 
 
 def set_worker(info: WorkerInfo | None) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_loaders.context import set_sample
+from lightning_loaders.context import set_samples
 from lightning_loaders.errors import fetch_error
 from lightning_loaders.schedule.map_schedule import MapSchedule
 
@@ -75,7 +75,7 @@ class PlannedSource:
         epoch, batch, positions, indices = self._request(info.iteration - self.first_iteration)
         k = min(slot, len(indices) - 1)
         index, position = indices[k], positions[k]
-        set_sample((self.seed, epoch, position, index, self.rank))
+        set_samples((self.seed, self.rank, (epoch,), (position,), (index,)))
         try:
             return self.dataset[index]
         except Exception as exc:
@@ -84,7 +84,7 @@ class PlannedSource:
                               index=index, position=position,
                               where="DALI's external source") from exc
         finally:
-            set_sample(None)
+            set_samples(None)
 
     def _request(self, step: int) -> tuple[int, int, list[int], list[int]]:
         """``(epoch, batch, positions, indices)`` of the ``step``-th batch from the cursor."""

@@ -41,7 +41,7 @@ from torch.utils.data import (
     get_worker_info,
 )
 
-from lightning_loaders.context import seeded_fetch, set_sample, worker_info
+from lightning_loaders.context import seeded_fetch, set_samples, worker_info
 from lightning_loaders.engines.faults import Failed, OnError, Skipped, SkippedSample
 from lightning_loaders.errors import SampleFetchError, fetch_error
 from lightning_loaders.schedule.requests import BatchRequest
@@ -183,25 +183,31 @@ class BatchFetcher(Dataset[Any]):
         return self._fetch_samples(request, skipped)
 
     def _fetch_samples(self, request: BatchRequest, skipped: list[SkippedSample]) -> list[Any]:
-        """``dataset[i]`` for every index of the batch, each with its sample context set."""
-        dataset, seed, rank = self.dataset, self.seed, request.rank
-        skip = self.on_error == "skip"
+        """``dataset[i]`` for every index of the batch, with the sample context published once
+        (``sample_context()`` counts the samples fetched so far, so the loop does nothing else
+        per sample). With ``on_error="skip"`` a failing sample is recorded and the loop goes on
+        after it."""
+        dataset = self.dataset
+        indices = request.indices.tolist()
         samples: list[Any] = []
+        append = samples.append
+        current = set_samples((self.seed, request.rank, request.sample_epochs,
+                               request.positions, indices), samples)
         try:
-            for k, (index, epoch, position) in enumerate(zip(request.indices.tolist(),
-                                                             request.sample_epochs.tolist(),
-                                                             request.positions.tolist(),
-                                                             strict=True)):
-                set_sample((seed, epoch, position, index, rank))
+            while (start := current.skipped + len(samples)) < len(indices):
                 try:
-                    samples.append(dataset[index])
+                    for index in indices[start:]:
+                        append(dataset[index])
                 except Exception as exc:
-                    if not skip:
+                    k = current.skipped + len(samples)
+                    if self.on_error != "skip":
                         raise _fetch_error(request, k, exc) from exc
-                    skipped.append(SkippedSample(request.epoch, request.batch, position, index,
+                    skipped.append(SkippedSample(request.epoch, request.batch,
+                                                 int(request.positions[k]), indices[k],
                                                  f"{type(exc).__name__}: {exc}"))
+                    current.skipped += 1
         finally:
-            set_sample(None)
+            set_samples(None)
         return samples
 
     def _collate(self, request: BatchRequest, samples: list[Any]) -> Any:

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import _utils as torch_data_utils
 
-from lightning_loaders.context import set_sample, set_worker
+from lightning_loaders.context import set_samples, set_worker
 from lightning_loaders.engines.autotune import available_cpus
 from lightning_loaders.engines.workers import POLL_S, WorkerLost, WorkerStalled
 
@@ -298,7 +298,7 @@ def _serve(me: ThreadWorker, inbox: queue.SimpleQueue[_Task | None],
                                time.perf_counter() - start))
             del data, task
     finally:
-        set_sample(None)
+        set_samples(None)
         set_worker(None)
         _local.worker = None
 

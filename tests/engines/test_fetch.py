@@ -239,6 +239,29 @@ def test_forwarding_getitems_keeps_the_per_sample_context() -> None:
     assert batch["a"].tolist() == [[3, 3, 30, 0]]
 
 
+class _ContextAwareFailing(_ContextAware):
+    """Fails on indices divisible by 3; every other sample reports its context."""
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index % 3 == 0:
+            raise ValueError(f"bad {index}")
+        return super().__getitem__(index)
+
+
+def test_the_sample_context_names_every_sample_also_after_skipped_ones() -> None:
+    """The context counts the samples fetched and skipped so far: after each left-out sample
+    the next one still sees its own index and position."""
+    fetcher = BatchFetcher(_ContextAwareFailing(), None, seed=0, on_error="skip")
+    indices = [3, 4, 6, 9, 5, 0, 7, 12]
+    result = fetcher[_request(indices, epoch=1)]
+    kept = [i for i in indices if i % 3]
+    assert result.batch.tolist() == [[i, i, 10 * i, 1] for i in kept]
+    assert [s.index for s in result.skipped] == [3, 6, 9, 0, 12]
+    assert [s.position for s in result.skipped] == [30, 60, 90, 0, 120]
+    with pytest.raises(RuntimeError, match="only available while"):
+        sample_context()  # nothing is published once the fetch is over
+
+
 def test_loader_over_subset_matches_dataloader() -> None:
     subset = Subset(_ContextAware(), [4, 8, 15, 16, 23, 35])
     ours = [b[:, 0].tolist() for b in ResumableLoader(subset, batch_size=4)]
