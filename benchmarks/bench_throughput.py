@@ -19,9 +19,13 @@ process and all its child processes: a page shared by ``k`` processes counts ``1
 so pages that forked workers share with the main process are not counted twice (a sum of RSS
 would). A background thread samples it, in an untimed epoch of each contender.
 
-Every epoch runs in a new process, forked from a fork server that has imported torch and the
+Every loader runs in a new process, forked from a fork server that has imported torch and the
 loaders but holds no data (its PSS is counted too, for the imported pages it shares), so that
-no epoch inherits the memory or the threads of another.
+no loader inherits the memory or the threads of another. Each reads two epochs: the *first*
+(timed from building the loader: worker start-up, and for ``num_workers="auto"`` its tuning,
+included) and the *next* (the same loader iterated again: what the epochs of a training run
+cost). Loaders with workers keep them between epochs (``persistent_workers=True`` for
+``DataLoader`` and ``StatefulDataLoader``, as for ours by default).
 
 Besides the table, ``run`` writes ``throughput.png``: a panel per workload, every row's
 fraction of the limit.
@@ -61,6 +65,7 @@ __all__ = ["CONTENDERS", "OURS", "Contender", "JpegResize", "PeakMemory", "Workl
            "ours_contenders", "run"]
 
 WORKERS = 2
+EPOCHS = ("first", "next")  # the epochs each loader reads (see the module docstring)
 NUMPY_ROUNDS = 48  # passes of TransformDataset's math: about 300 us per sample here (12: 80 us)
 SERIAL = "serial, 1 core"
 LIMIT = "limit: serial / cores"
@@ -214,11 +219,10 @@ class _SpdlProcesses:
                                                   num_workers=WORKERS)
 
     def __iter__(self) -> Iterator[Any]:
-        try:
-            yield from self.loader
-        finally:
-            # SPDL 0.8 never unlinks the shared memory holding the pickled dataset
-            self.loader._shmem.unlink()
+        yield from self.loader
+
+    def close(self) -> None:
+        self.loader._shmem.unlink()  # SPDL 0.8 never unlinks the shared memory it pickled into
 
 
 def _dataloader(workers: int) -> Callable[[Workload], Iterable[Any]]:
@@ -226,7 +230,7 @@ def _dataloader(workers: int) -> Callable[[Workload], Iterable[Any]]:
         from torch.utils.data import DataLoader
 
         return DataLoader(workload.dataset, batch_size=workload.batch_size, shuffle=False,
-                          num_workers=workers)
+                          num_workers=workers, persistent_workers=workers > 0)
     return build
 
 
@@ -234,7 +238,7 @@ def _stateful(workload: Workload) -> Iterable[Any]:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     return StatefulDataLoader(workload.dataset, batch_size=workload.batch_size, shuffle=False,
-                              num_workers=WORKERS)
+                              num_workers=WORKERS, persistent_workers=True)
 
 
 def _ours(kwargs: dict[str, Any]) -> Callable[[Workload], Iterable[Any]]:
@@ -326,37 +330,46 @@ class PeakMemory:
 
 
 @dataclass
-class _Epoch:
-    seconds: float = 0.0  # from building the loader to the last batch's arrival
+class _Epochs:
+    seconds: list[float] = field(default_factory=list)  # per epoch (see ``_epochs``)
     first_batch: float = 0.0  # from building the loader to the first batch's arrival
-    samples: int = 0
-    fingerprint: list[np.ndarray] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)  # per epoch
+    fingerprint: list[np.ndarray] = field(default_factory=list)  # the first epoch's
 
 
-def _epoch(contender: Contender, workload: Workload, memory: PeakMemory | None = None) -> _Epoch:
-    """One epoch of a new loader (workers started and stopped within it); with ``memory``, the
-    samples' fingerprints too, and a memory sample at the last batch (a DataLoader stops its
-    workers before its iterator ends)."""
-    result = _Epoch()
+def _epochs(contender: Contender, workload: Workload, memory: PeakMemory | None = None,
+            ) -> _Epochs:
+    """``EPOCHS`` of a new loader: the first timed from building it, the next from its
+    ``iter()``, each to its last batch's arrival; with ``memory``, the first epoch's
+    fingerprints too, and a memory sample at each last batch (a DataLoader without persistent
+    workers stops them before its iterator ends)."""
+    result = _Epochs()
     start = time.perf_counter()
     loader = contender.build(workload)
-    iterator = iter(loader)
     try:
-        for batch in iterator:
-            arrival = time.perf_counter()
-            if not result.samples:
-                result.first_batch = arrival - start
-            result.seconds = arrival - start
-            result.samples += _batch_len(batch)
-            if memory is not None:
-                result.fingerprint.append(workload.fingerprint(batch))
-                if result.samples == len(workload.dataset):  # type: ignore[arg-type]
-                    memory.sample()  # the last batch: before the workers stop
+        for epoch in range(len(EPOCHS)):
+            start = start if epoch == 0 else time.perf_counter()
+            samples, arrival = 0, start
+            iterator = iter(loader)
+            try:
+                for batch in iterator:
+                    arrival = time.perf_counter()
+                    if not samples and epoch == 0:
+                        result.first_batch = arrival - start
+                    samples += _batch_len(batch)
+                    if memory is not None:
+                        if epoch == 0:
+                            result.fingerprint.append(workload.fingerprint(batch))
+                        if samples == len(workload.dataset):  # type: ignore[arg-type]
+                            memory.sample()
+            finally:
+                if hasattr(iterator, "close"):
+                    iterator.close()
+                del iterator
+            result.seconds.append(arrival - start)
+            result.samples.append(samples)
     finally:
-        if hasattr(iterator, "close"):
-            iterator.close()
-        del iterator
-        if not isinstance(loader, _Serial | _SpdlThreads | _SpdlProcesses):
+        if not isinstance(loader, _Serial | _SpdlThreads):
             close_loader(loader)
     return result
 
@@ -374,7 +387,7 @@ def _same_samples(serial: np.ndarray, other: np.ndarray, ordered: bool) -> str:
 
 @dataclass
 class _Measured:
-    seconds: list[float] = field(default_factory=list)
+    seconds: dict[str, list[float]] = field(default_factory=lambda: {e: [] for e in EPOCHS})
     first_batch: list[float] = field(default_factory=list)
     samples: set[int] = field(default_factory=set)
     peak_pss: int = 0
@@ -415,12 +428,13 @@ def _child_epoch(spec: _Spec, name: str, sample_memory: bool, connection: Any) -
     result: dict[str, Any] = {}
     if sample_memory:
         with PeakMemory(also=[os.getppid()]) as memory:
-            epoch = _epoch(contender, workload, memory)
+            epochs = _epochs(contender, workload, memory)
         result.update(peak_pss=memory.peak_pss, peak_rss=memory.peak_rss,
-                      fingerprint=np.concatenate(epoch.fingerprint))
+                      fingerprint=np.concatenate(epochs.fingerprint))
     else:
-        epoch = _epoch(contender, workload)
-    result.update(seconds=epoch.seconds, first_batch=epoch.first_batch, samples=epoch.samples)
+        epochs = _epochs(contender, workload)
+    result.update(seconds=epochs.seconds, first_batch=epochs.first_batch,
+                  samples=epochs.samples)
     connection.send(result)
     connection.close()
 
@@ -456,17 +470,18 @@ def _measure(spec: _Spec, contenders: Sequence[Contender], repeats: int, setting
         reference = result["fingerprint"] if reference is None else reference
         mine = measured[contender.name]
         mine.peak_pss, mine.peak_rss = result["peak_pss"], result["peak_rss"]
-        mine.samples.add(result["samples"])
+        mine.samples.update(result["samples"])
         mine.check = _same_samples(reference, result["fingerprint"], contender.ordered)
 
     def case(contender: Contender) -> Callable[[], float]:
         def timed() -> float:
             result = _in_child(spec, contender.name, sample_memory=False)
             mine = measured[contender.name]
-            mine.seconds.append(result["seconds"])
+            for epoch, seconds in zip(EPOCHS, result["seconds"], strict=True):
+                mine.seconds[epoch].append(seconds)
             mine.first_batch.append(result["first_batch"])
-            mine.samples.add(result["samples"])
-            return float(result["seconds"])
+            mine.samples.update(result["samples"])
+            return float(sum(result["seconds"]))
         return timed
 
     interleaved({c.name: case(c) for c in contenders}, repeats, f"throughput {spec.kind}",
@@ -483,26 +498,31 @@ def _contenders(peers: Sequence[str]) -> list[Contender]:
 
 def _rows(workload: str, measured: dict[str, _Measured], families: dict[str, str],
           samples: int, cores: int) -> list[dict[str, Any]]:
-    """One row per contender (and one for the limit): median samples/s, and per repetition
-    the ratios to the limit and to the best DataLoader and SPDL rows of that repetition."""
-    repeats = range(len(measured[SERIAL].seconds))
+    """One row per contender (and one for the limit): per epoch of ``EPOCHS``, median
+    samples/s and, per repetition, the ratios to that epoch's limit (the serial row's same
+    epoch / cores) and to the best DataLoader and SPDL rows of that repetition."""
+    rows: list[dict[str, Any]] = [{"workload": workload, "loader": name}
+                                  for name in (LIMIT, *measured)]
+    for epoch in EPOCHS:
+        times = {name: mine.seconds[epoch] for name, mine in measured.items()}
+        repeats = range(len(times[SERIAL]))
 
-    def best(family: str, rep: int) -> float:
-        times = [m.seconds[rep] for name, m in measured.items() if families[name] == family]
-        return min(times) if times else float("nan")
+        def best(family: str, rep: int) -> float:
+            found = [t[rep] for name, t in times.items() if families[name] == family]  # noqa: B023
+            return min(found) if found else float("nan")
 
-    limit = [measured[SERIAL].seconds[r] / cores for r in repeats]
-    rows = [{"workload": workload, "loader": LIMIT, "samples/s": samples / median(limit),
-             "of limit": 1.0}]
-    for name, mine in measured.items():
-        rows.append({
-            "workload": workload,
-            "loader": name,
-            "samples/s": samples / median(mine.seconds),
-            "of limit": median([limit[r] / mine.seconds[r] for r in repeats]),
-            "x DataLoader (best)": median([best(DATALOADER_FAMILY, r) / mine.seconds[r]
-                                           for r in repeats]),
-            "x SPDL (best)": median([best(SPDL_FAMILY, r) / mine.seconds[r] for r in repeats]),
+        limit = [times[SERIAL][r] / cores for r in repeats]
+        rows[0].update({f"{epoch}: samples/s": samples / median(limit), f"{epoch}: of limit": 1.0})
+        for row, seconds in zip(rows[1:], times.values(), strict=True):
+            row.update({
+                f"{epoch}: samples/s": samples / median(seconds),
+                f"{epoch}: of limit": median([limit[r] / seconds[r] for r in repeats]),
+                f"{epoch}: x DataLoader": median([best(DATALOADER_FAMILY, r) / seconds[r]
+                                                  for r in repeats]),
+                f"{epoch}: x SPDL": median([best(SPDL_FAMILY, r) / seconds[r] for r in repeats]),
+            })
+    for row, mine in zip(rows[1:], measured.values(), strict=True):
+        row.update({
             "first batch (ms)": 1000 * median(mine.first_batch),
             "peak PSS, all processes (MiB)": mine.peak_pss / 2**20,
             "peak RSS sum (MiB)": mine.peak_rss / 2**20,
@@ -513,7 +533,7 @@ def _rows(workload: str, measured: dict[str, _Measured], families: dict[str, str
 
 
 def _plot(rows: Sequence[dict[str, Any]], title: str, path: Path) -> None:
-    """One panel per workload: every row's fraction of the limit as a horizontal bar."""
+    """One panel per workload: every row's fraction of the limit, a horizontal bar per epoch."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -522,14 +542,20 @@ def _plot(rows: Sequence[dict[str, Any]], title: str, path: Path) -> None:
     workloads = list(dict.fromkeys(row["workload"] for row in rows))
     tallest = max(sum(row["workload"] == w for row in rows) for w in workloads)
     fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 0.3 * tallest + 1.5))
+    height = 0.8 / len(EPOCHS)
     for ax, workload in zip(np.atleast_1d(axes), workloads, strict=True):
         mine = [row for row in rows if row["workload"] == workload]
-        ax.barh(range(len(mine)), [row["of limit"] for row in mine])
-        ax.set_yticks(range(len(mine)), [row["loader"] for row in mine], fontsize=8)
+        for k, epoch in enumerate(EPOCHS):
+            ax.barh([i + k * height for i in range(len(mine))],
+                    [row[f"{epoch}: of limit"] for row in mine], height=height,
+                    label=f"{epoch} epoch")
+        ax.set_yticks([i + height / 2 for i in range(len(mine))], [row["loader"] for row in mine],
+                      fontsize=8)
         ax.axvline(1.0, color="black", linewidth=0.8)
         ax.invert_yaxis()
         ax.set_title(workload, fontsize=10)
         ax.set_xlabel("fraction of the limit")
+        ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -537,9 +563,11 @@ def _plot(rows: Sequence[dict[str, Any]], title: str, path: Path) -> None:
     plt.close(fig)
 
 
-COLUMNS = ("workload", "loader", "samples/s", "of limit", "x DataLoader (best)",
-           "x SPDL (best)", "first batch (ms)", "peak PSS, all processes (MiB)",
-           "peak RSS sum (MiB)", "samples", "same samples as serial")
+COLUMNS = ("workload", "loader",
+           *(f"{epoch}: {column}" for epoch in EPOCHS
+             for column in ("samples/s", "of limit", "x DataLoader", "x SPDL")),
+           "first batch (ms)", "peak PSS, all processes (MiB)", "peak RSS sum (MiB)", "samples",
+           "same samples as serial")
 
 
 def run(settings: Settings, numpy_samples: int | None = None, jpeg_samples: int | None = None,
@@ -575,15 +603,17 @@ def run(settings: Settings, numpy_samples: int | None = None, jpeg_samples: int 
 
     notes[:0] = [
         f"Limit: one core's serial epoch (the main process calls __getitem__ and default_collate, "
-        f"no loader) divided by the {cores} cores this process may use. 'of limit', "
-        "'x DataLoader (best)' (the faster of 0 and 2 workers) and 'x SPDL (best)' (the fastest "
-        "SPDL configuration): medians over repetitions of each repetition's ratio of epoch "
-        "times; above 1.0 the row is faster.",
-        f"An epoch: a new loader built, iterated to its last batch (worker start-up included, "
-        f"shutdown not), not shuffled, in a new process forked from a fork server that has "
-        f"imported torch and the loaders (so that no epoch inherits another's memory): one "
-        f"per row with the memory sampler on and the samples checked, then interleaved timed "
-        f"ones, {settings.repeats} per row (dicts: {dict_repeats}).",
+        f"no loader) divided by the {cores} cores this process may use, per epoch (first and "
+        "next). 'of limit', 'x DataLoader' (the faster of 0 and 2 workers) and 'x SPDL' (the "
+        "fastest SPDL configuration): medians over repetitions of each repetition's ratio of "
+        "that epoch's times; above 1.0 the row is faster.",
+        f"Each row: a new loader in a new process forked from a fork server that has imported "
+        f"torch and the loaders (so that no loader inherits another's memory), reading two "
+        f"epochs, not shuffled: the first timed from building the loader (worker start-up "
+        f"included, shutdown not), the next from iter() on the same loader; workers persist "
+        f"between them (persistent_workers=True for DataLoader and StatefulDataLoader). One "
+        f"run per row with the memory sampler on and the first epoch's samples checked, then "
+        f"interleaved timed ones, {settings.repeats} per row (dicts: {dict_repeats}).",
         "Memory: peak over the epoch of the PSS summed over the epoch's process, its children "
         "and the fork server (whose imported pages they share): pages shared after fork count "
         "once in total. 'peak RSS sum' counts them in every process.",
