@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -68,6 +68,7 @@ WORKERS = 2
 EPOCHS = ("first", "next")  # the epochs each loader reads (see the module docstring)
 NUMPY_ROUNDS = 48  # passes of TransformDataset's math: about 300 us per sample here (12: 80 us)
 SERIAL = "serial, 1 core"
+BARE = "bare: a forked process per core, no loader, no transfer"
 LIMIT = "limit: serial / cores"
 DATALOADER_FAMILY = "DataLoader"
 SPDL_FAMILY = "SPDL"
@@ -133,6 +134,8 @@ def _record_fingerprint(batch: dict[str, torch.Tensor]) -> np.ndarray:
 
 
 def _batch_len(batch: Any) -> int:
+    if isinstance(batch, _Fingerprints):
+        return len(batch.values)
     if isinstance(batch, dict):
         batch = next(iter(batch.values()))
     return len(batch)
@@ -166,12 +169,65 @@ class _Serial:
     def __init__(self, workload: Workload) -> None:
         self.dataset = workload.dataset
         self.batch_size = workload.batch_size
+        self.fingerprint = workload.fingerprint
+
+    def batch(self, start: int) -> Any:
+        """The batch starting at sample ``start``, collated."""
+        end = min(start + self.batch_size, len(self.dataset))  # type: ignore[arg-type]
+        return default_collate([self.dataset[i] for i in range(start, end)])
 
     def __iter__(self) -> Iterator[Any]:
-        n = len(self.dataset)  # type: ignore[arg-type]
-        for start in range(0, n, self.batch_size):
-            yield default_collate([self.dataset[i]
-                                   for i in range(start, min(start + self.batch_size, n))])
+        for start in range(0, len(self.dataset), self.batch_size):  # type: ignore[arg-type]
+            yield self.batch(start)
+
+
+class _Fingerprints(NamedTuple):
+    """What ``_Bare`` delivers for a batch: its samples' fingerprints, computed where the batch
+    was made."""
+
+    values: np.ndarray
+
+
+def _fingerprints(workload: Workload, batch: Any) -> np.ndarray:
+    return batch.values if isinstance(batch, _Fingerprints) else workload.fingerprint(batch)
+
+
+class _Bare:
+    """What the hardware allows: one forked process per core fetches and collates a contiguous
+    share of the batches, as the serial row does, and sends back only each batch's
+    fingerprints (no loader, no transfer of data). Its time against the limit shows how far
+    the cores scale together on the workload (shared caches, memory bandwidth, the host)."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.workload = workload
+
+    def __iter__(self) -> Iterator[Any]:
+        serial = _Serial(self.workload)
+        starts = range(0, len(self.workload.dataset), serial.batch_size)  # type: ignore[arg-type]
+        shares = np.array_split(np.asarray(starts), len(os.sched_getaffinity(0)))
+        context = multiprocessing.get_context("fork")
+        children = []
+        for share in shares:
+            receive, send = context.Pipe(duplex=False)
+            child = context.Process(target=_bare_share, args=(serial, share.tolist(), send))
+            child.start()
+            send.close()
+            children.append((child, receive))
+        try:
+            for _, receive in children:
+                yield from map(_Fingerprints, receive.recv())
+        finally:
+            for child, _ in children:
+                child.join()
+
+
+def _bare_share(serial: _Serial, starts: list[int], send: Any) -> None:
+    """In a forked child of ``_Bare``: the batches starting at ``starts``; their
+    fingerprints, sent at the end. One intra-op thread, as in a DataLoader worker (more would
+    spin on the cores the other children compute on)."""
+    torch.set_num_threads(1)
+    send.send([serial.fingerprint(serial.batch(start)) for start in starts])
+    send.close()
 
 
 class _SpdlThreads:
@@ -258,6 +314,7 @@ def ours_contenders() -> list[Contender]:
 # name -> contender, for the peers; per workload, ``_contenders`` adds ours
 CONTENDERS: dict[str, Contender] = {c.name: c for c in (
     Contender(name=SERIAL, family="serial", build=_Serial),
+    Contender(name=BARE, family="bare", build=_Bare),
     Contender(name="DataLoader, 0 workers", family=DATALOADER_FAMILY, build=_dataloader(0)),
     Contender(name="DataLoader, 2 workers", family=DATALOADER_FAMILY,
               build=_dataloader(WORKERS)),
@@ -278,7 +335,7 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
 QUICK_SKIPS = ("SPDL, 4 threads, per sample", "SPDL, 4 threads, per batch")
 # the dicts workload reads 1M samples: SPDL's per-sample pipelines (an event-loop task per
 # sample) and its process loader (which pickles the dataset into every worker) are left out
-DICT_PEERS = (SERIAL, "DataLoader, 0 workers", "DataLoader, 2 workers",
+DICT_PEERS = (SERIAL, BARE, "DataLoader, 0 workers", "DataLoader, 2 workers",
               "StatefulDataLoader, 2 workers", "SPDL, 2 threads, per batch",
               "SPDL, 4 threads, per batch")
 
@@ -359,7 +416,7 @@ def _epochs(contender: Contender, workload: Workload, memory: PeakMemory | None 
                     samples += _batch_len(batch)
                     if memory is not None:
                         if epoch == 0:
-                            result.fingerprint.append(workload.fingerprint(batch))
+                            result.fingerprint.append(_fingerprints(workload, batch))
                         if samples == len(workload.dataset):  # type: ignore[arg-type]
                             memory.sample()
             finally:
@@ -369,7 +426,7 @@ def _epochs(contender: Contender, workload: Workload, memory: PeakMemory | None 
             result.seconds.append(arrival - start)
             result.samples.append(samples)
     finally:
-        if not isinstance(loader, _Serial | _SpdlThreads):
+        if not isinstance(loader, _Serial | _Bare | _SpdlThreads):
             close_loader(loader)
     return result
 
@@ -617,6 +674,9 @@ def run(settings: Settings, numpy_samples: int | None = None, jpeg_samples: int 
         "Memory: peak over the epoch of the PSS summed over the epoch's process, its children "
         "and the fork server (whose imported pages they share): pages shared after fork count "
         "once in total. 'peak RSS sum' counts them in every process.",
+        f"'{BARE}': the serial row's work split into a contiguous share of the batches per "
+        "core, each computed in a forked process that sends back only fingerprints: how far "
+        "the cores scale together on the workload, with nothing of a loader.",
         "SPDL 0.8: spdl.io cannot decode images here (no FFmpeg libraries), so its pipelines run "
         "the same Pillow code on threads: per sample (pipe(__getitem__, concurrency=N)"
         ".aggregate(32).pipe(default_collate)) or per batch (one task fetches and collates a "
