@@ -344,7 +344,8 @@ class Autotuner:
     ``next()``, and its work since the previous ``next()`` returned; the caller leaves out the
     first batch of an epoch) and returns a new setting when one is decided. The caller applies
     it (now, or at the epoch's end) and then calls ``applied()``; batches observed meanwhile,
-    and ``warmup`` batches after it, are not measured. The first window lasts ``probe``
+    and ``warmup`` batches after it, are not measured (``restart()`` drops a window whose pool
+    changed under it, the same way). The first window lasts ``probe``
     batches, the others ``window``. ``cpu_times`` (``read_cpu_times`` by default) is read where
     a window starts (after ``applied()`` and its warmup, or at its first measured batch) and
     where it ends, for the window's ``cpu_busy``.
@@ -409,6 +410,16 @@ class Autotuner:
         """The decided setting runs from now on: measure again after ``warmup`` batches."""
         self._pending = False
         self._running = self.tuning.setting
+        self._after_warmup()
+
+    def restart(self) -> None:
+        """The running setting's pool changed under it (``backend="auto"`` choosing threads or
+        processes): drop the window measured so far, measure again after ``warmup`` batches."""
+        if not (self.done or self._pending):
+            self._after_warmup()
+
+    def _after_warmup(self) -> None:
+        self._batches, self._wait_s, self._wall_s = 0, 0.0, 0.0
         self._ignore = self.config.warmup
         self._started = False
         if not self._ignore:

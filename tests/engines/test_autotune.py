@@ -174,6 +174,21 @@ def test_stop_keeps_the_setting_and_measures_no_more() -> None:
     assert tuner.observe(1.0, 0.0) is None
 
 
+def test_restart_drops_the_window_and_waits_for_the_warmup() -> None:
+    config = AutotuneConfig(max_workers=4, probe=3, window=3, warmup=2, high_wait=0.0,
+                            saturated=None)
+    tuner = Autotuner(config, 2, cpu_times=unknown_cpu_times)
+    assert [tuner.observe(1.0, 1.0) for _ in range(2)] == [None, None]
+    tuner.restart()  # the two batches above are dropped, the next two are the warmup
+    assert [tuner.observe(1.0, 1.0) for _ in range(2)] == [None, None]
+    assert [tuner.observe(0.003, 0.007) for _ in range(3)] == [None, None, Setting(1, 2)]
+    measured = tuner.tuning.trials[0].window
+    assert (measured.batches, measured.wait_s, measured.wall_s) == (3, pytest.approx(0.009),
+                                                                    pytest.approx(0.03))
+    tuner.restart()  # a decision waits to be applied: nothing to drop
+    assert tuner.pending == Setting(1, 2)
+
+
 # -- the short probe ---------------------------------------------------------------------------
 
 

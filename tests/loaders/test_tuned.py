@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import Dataset
 
 from lightning_loaders import AutotuneConfig, GeneratorSource, ResumableLoader
+from lightning_loaders.loaders.tuned import TunedDelivery, autotuner_for
 from lightning_loaders.testing import check_resume_at_every_step, run_epochs, to_plain
 from tests.conftest import loader_processes
 from tests.lightning_harness import check_trainer_resume
@@ -143,6 +144,33 @@ def test_no_worker_outlives_the_loader_after_changes() -> None:
     next(iterator)
     del iterator, loader
     assert loader_processes() == []
+
+
+def test_batches_from_workers_not_yet_settled_are_not_measured() -> None:
+    """While ``settled`` is false (``backend="auto"`` choosing), every batch restarts the
+    window, and the first settled one too: the pool's switch falls in the warmup. With a probe
+    and windows of 2 and a warmup of 1, the second change is decided at batch 10, not 5
+    (settled throughout)."""
+    config = AutotuneConfig(max_workers=1, probe=2, window=2, warmup=1, high_wait=0.0,
+                            min_gain=0.0, saturated=None)
+    tuner = autotuner_for(config, None)
+    assert tuner is not None
+    delivered: list[int] = []
+    applied_at: list[int] = []
+
+    def batches() -> Iterator[int]:
+        for i in range(20):
+            delivered.append(i)
+            yield i
+
+    delivery = TunedDelivery(
+        batches(), tuner,
+        lambda setting: applied_at.append(delivered[-1]), lambda: None, lambda: None,
+        settled=lambda: not 3 <= delivered[-1] <= 6)
+    assert list(delivery) == list(range(20))
+    # batch 0: an iterator's first; 1-2: the probe; 3-6 not settled; 7: restart; 8: warmup;
+    # 9-10: the window (a change whatever it measures: a step, or back to 0 workers)
+    assert applied_at[:2] == [2, 10]
 
 
 def test_fixed_loaders_report_no_tuning_and_auto_starts_in_the_main_process() -> None:
