@@ -7,8 +7,11 @@ batch of every iterator (an epoch's start, or a new ``iter()``) is left out, and
 between epochs. A decided setting is applied by ``apply`` (the loader sets ``num_workers`` and
 ``prefetch_factor`` and closes its pool; the next batch comes from a new pool, at the cursor),
 at once when ``window`` batches or more are left in the epoch, else at the epoch's end, where
-no prefetched batch is thrown away. Because the order never depends on the layout, this
-changes speed, never data, and ``state_dict()`` is the same cursor.
+no prefetched batch is thrown away. Batches are not measured while the workers are not yet
+what they will stay (``backend="auto"`` trying threads, then switching to processes), and
+``warmup`` batches after that are left out too: a window times one kind of pool. Because the
+order never depends on the layout, this changes speed, never data, and ``state_dict()`` is the
+same cursor.
 """
 
 from __future__ import annotations
@@ -43,16 +46,21 @@ class TunedDelivery:
     """A loader's iterator (``inner``) whose batches are timed for ``tuner``; ``apply`` runs a
     setting (the pool restarts from the cursor), ``batches_left`` says how many batches the
     epoch has left (``None``: unknown) and ``untunable``, asked after an iterator's first
-    batch, why no setting could change the speed (``None``: it can), which stops the tuning."""
+    batch, why no setting could change the speed (``None``: it can), which stops the tuning;
+    ``settled`` says whether the workers are what they will stay (``False`` while
+    ``backend="auto"`` is still choosing: those batches are not measured)."""
 
     def __init__(self, inner: Iterator[Any], tuner: Autotuner,
                  apply: Callable[[Setting], None], batches_left: Callable[[], int | None],
-                 untunable: Callable[[], str | None]) -> None:
+                 untunable: Callable[[], str | None], *,
+                 settled: Callable[[], bool] = lambda: True) -> None:
         self._inner = inner
         self._tuner = tuner
         self._apply = apply
         self._batches_left = batches_left
         self._untunable = untunable
+        self._settled = settled
+        self._settling = False  # a batch came from workers that were not settled
         self._returned: float | None = None  # when the previous next() returned a batch
 
     def __iter__(self) -> TunedDelivery:
@@ -74,12 +82,25 @@ class TunedDelivery:
             if reason is not None:
                 self._tuner.stop(reason)
         elif self._returned is not None:
-            decided = self._tuner.observe(now - called, called - self._returned)
-            left = self._batches_left() if decided is not None else None
-            if decided is not None and (left is None or left >= self._tuner.config.window):
-                self._apply_pending()
+            self._measure(now - called, called - self._returned)
         self._returned = now
         return batch
+
+    def _measure(self, wait_s: float, work_s: float) -> None:
+        """Time a batch for the tuner, and apply a decided setting when enough of the epoch is
+        left; a batch from workers not yet settled restarts the window instead (and the first
+        settled one too: a warmup follows the switch)."""
+        if self._tuner.done:
+            return
+        settled = self._settled()
+        if self._settling or not settled:
+            self._settling = not settled
+            self._tuner.restart()
+            return
+        decided = self._tuner.observe(wait_s, work_s)
+        left = self._batches_left() if decided is not None else None
+        if decided is not None and (left is None or left >= self._tuner.config.window):
+            self._apply_pending()
 
     def _apply_pending(self) -> None:
         setting = self._tuner.pending

@@ -126,7 +126,7 @@ class WorkerLoader(DeliveryCore):
         if self._autotuner is None:
             return iterator
         return TunedDelivery(iterator, self._autotuner, self._run_setting, self._batches_left,
-                             self._untunable)
+                             self._untunable, settled=lambda: self.backend_in_use is not None)
 
     @property
     def autotune(self) -> Tuning | None:

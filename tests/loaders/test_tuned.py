@@ -1,9 +1,10 @@
 """``num_workers="auto"``: tuning the worker count changes speed, never data.
 
-The tuning config below forces changes whatever the machine's speed: ``high_wait=0`` makes the
-first window (0 workers, a dataset that sleeps) always try 1 worker, and the next window either
-tries 2 or goes back to 0, a second change either way. What is checked is the stream, the state
-and the processes, never timings.
+The tuning config below forces changes whatever the machine's speed and load: ``high_wait=0``
+makes the first window (0 workers, a dataset that sleeps) always try 1 or 2 workers (the model's
+``k``), and the next window either tries more workers or prefetch, or goes back to 0, a second
+change either way; ``saturated=None`` keeps busy CPUs (the machine is shared) from ending the
+tuning early. What is checked is the stream, the state and the processes, never timings.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import torch
 from torch.utils.data import Dataset
 
 from lightning_loaders import AutotuneConfig, GeneratorSource, ResumableLoader
+from lightning_loaders.loaders.tuned import TunedDelivery, autotuner_for
 from lightning_loaders.testing import check_resume_at_every_step, run_epochs, to_plain
 from tests.conftest import loader_processes
 from tests.lightning_harness import check_trainer_resume
 
-FORCED = AutotuneConfig(max_workers=2, window=2, warmup=0, high_wait=0.0, min_gain=0.0)
+FORCED = AutotuneConfig(max_workers=2, probe=2, window=2, warmup=0, high_wait=0.0, min_gain=0.0,
+                        saturated=None)
 SLEEP_S = 0.001
 
 
@@ -116,9 +119,9 @@ def test_states_move_between_tuned_and_fixed_loaders(kind: str, first: str) -> N
 
 
 def test_a_change_decided_near_the_epoch_end_waits_for_it() -> None:
-    """5 batches per epoch and windows of 3: the first decision comes with 1 batch left, so
-    the pool is rebuilt at the epoch's end, not mid-epoch."""
-    config = AutotuneConfig(max_workers=2, window=3, warmup=0, high_wait=0.0)
+    """5 batches per epoch and a probe of 3: the first decision comes with 1 batch left, so
+    the pool is rebuilt at the epoch's end, not mid-epoch (``max_workers=1``: the one step)."""
+    config = AutotuneConfig(max_workers=1, probe=3, window=3, warmup=0, high_wait=0.0)
     loader = ResumableLoader(SlowDataset(15), batch_size=3, num_workers=config)
     _, _, workers = recorded(loader, 1)
     assert workers == [0] * 5
@@ -141,6 +144,33 @@ def test_no_worker_outlives_the_loader_after_changes() -> None:
     next(iterator)
     del iterator, loader
     assert loader_processes() == []
+
+
+def test_batches_from_workers_not_yet_settled_are_not_measured() -> None:
+    """While ``settled`` is false (``backend="auto"`` choosing), every batch restarts the
+    window, and the first settled one too: the pool's switch falls in the warmup. With a probe
+    and windows of 2 and a warmup of 1, the second change is decided at batch 10, not 5
+    (settled throughout)."""
+    config = AutotuneConfig(max_workers=1, probe=2, window=2, warmup=1, high_wait=0.0,
+                            min_gain=0.0, saturated=None)
+    tuner = autotuner_for(config, None)
+    assert tuner is not None
+    delivered: list[int] = []
+    applied_at: list[int] = []
+
+    def batches() -> Iterator[int]:
+        for i in range(20):
+            delivered.append(i)
+            yield i
+
+    delivery = TunedDelivery(
+        batches(), tuner,
+        lambda setting: applied_at.append(delivered[-1]), lambda: None, lambda: None,
+        settled=lambda: not 3 <= delivered[-1] <= 6)
+    assert list(delivery) == list(range(20))
+    # batch 0: an iterator's first; 1-2: the probe; 3-6 not settled; 7: restart; 8: warmup;
+    # 9-10: the window (a change whatever it measures: a step, or back to 0 workers)
+    assert applied_at[:2] == [2, 10]
 
 
 def test_fixed_loaders_report_no_tuning_and_auto_starts_in_the_main_process() -> None:
