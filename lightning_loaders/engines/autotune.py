@@ -133,6 +133,8 @@ class AutotuneConfig:
         probe: batches of the first window (the starting setting), short so that a run that
             needs workers gets them early.
         window: batches per later measurement window (one decision per window).
+        min_window_s: the least wall time of a window, which goes on past its batches until
+            then: a few milliseconds of fast batches measure mostly noise.
         warmup: batches left out after each change (worker start-up, first prefetch).
         high_wait: the wait fraction above which more workers (then more prefetch) are tried.
         min_gain: how much faster (fraction of seconds per batch) a step must make delivery
@@ -149,6 +151,7 @@ class AutotuneConfig:
     start_workers: int = 0
     probe: int = 4
     window: int = 16
+    min_window_s: float = 0.05
     warmup: int = 4
     high_wait: float = 0.05
     min_gain: float = 0.05
@@ -172,6 +175,9 @@ class AutotuneConfig:
             if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value < 1:
                 raise ValueError(f"AutotuneConfig.{name} must be a number in [0, 1), got "
                                  f"{value!r}")
+        value = self.min_window_s
+        if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"AutotuneConfig.min_window_s must be a number >= 0, got {value!r}")
         value = self.saturated
         if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)
                                   or not 0 < value <= 1):
@@ -385,7 +391,8 @@ class Autotuner:
         self._batches += 1
         self._wait_s += wait_s
         self._wall_s += wait_s + work_s
-        if self._batches < (self.config.window if self.tuning.trials else self.config.probe):
+        batches = self.config.window if self.tuning.trials else self.config.probe
+        if self._batches < batches or self._wall_s < self.config.min_window_s:
             return None
         busy = busy_fraction(self._cpu_start, self._cpu_times())
         window = Window(self._batches, self._wait_s, self._wall_s, busy)

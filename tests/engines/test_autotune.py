@@ -23,7 +23,7 @@ from lightning_loaders.engines.autotune import (
 )
 
 CONFIG = AutotuneConfig(max_workers=4, window=4, warmup=1, high_wait=0.1, min_gain=0.05,
-                        max_prefetch=8, max_changes=8)
+                        max_prefetch=8, max_changes=8, min_window_s=0.0)
 
 
 def window(ms_per_batch: float, wait_fraction: float, batches: int = 4,
@@ -135,6 +135,16 @@ def test_autotuner_decides_once_per_window_and_waits_for_the_change() -> None:
                                                    pytest.approx(0.02))
 
 
+def test_a_window_lasts_at_least_min_window_s() -> None:
+    """Fast batches extend a window past its batch count until ``min_window_s`` of wall time:
+    the probe of 4 batches of 10 ms decides at the 10th batch (95 ms reached), not the 4th."""
+    config = AutotuneConfig(max_workers=4, probe=4, min_window_s=0.095)
+    tuner = Autotuner(config.resolved(), 2, cpu_times=unknown_cpu_times)
+    decisions = [tuner.observe(0.01, 0.0) for _ in range(10)]
+    assert decisions == [None] * 9 + [Setting(4, 2)]
+    assert tuner.tuning.trials[0].window.batches == 10
+
+
 def test_autotuner_stops_measuring_when_done() -> None:
     tuner = Autotuner(CONFIG, 2)
     assert [tuner.observe(0.0, 0.01) for _ in range(4)] == [None] * 4
@@ -153,7 +163,7 @@ def test_resolved_max_workers_defaults_to_the_usable_cpus() -> None:
     ("window", 0), ("warmup", -1), ("start_workers", -1), ("max_prefetch", 0),
     ("max_changes", -1), ("high_wait", 1.0), ("min_gain", -0.1), ("window", 2.5),
     ("max_workers", 0), ("probe", 0), ("probe", True), ("saturated", 0.0), ("saturated", 1.01),
-    ("saturated", True), ("saturated", "0.9"),
+    ("saturated", True), ("saturated", "0.9"), ("min_window_s", -0.1), ("min_window_s", None),
 ])
 def test_bad_config_is_refused_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"AutotuneConfig.{field}"):
@@ -175,8 +185,8 @@ def test_stop_keeps_the_setting_and_measures_no_more() -> None:
 
 
 def test_restart_drops_the_window_and_waits_for_the_warmup() -> None:
-    config = AutotuneConfig(max_workers=4, probe=3, window=3, warmup=2, high_wait=0.0,
-                            saturated=None)
+    config = AutotuneConfig(min_window_s=0.0, max_workers=4, probe=3, window=3, warmup=2,
+                            high_wait=0.0, saturated=None)
     tuner = Autotuner(config, 2, cpu_times=unknown_cpu_times)
     assert [tuner.observe(1.0, 1.0) for _ in range(2)] == [None, None]
     tuner.restart()  # the two batches above are dropped, the next two are the warmup
@@ -193,8 +203,8 @@ def test_restart_drops_the_window_and_waits_for_the_warmup() -> None:
 
 
 def test_the_first_window_lasts_probe_batches_and_later_ones_window() -> None:
-    config = AutotuneConfig(max_workers=4, probe=2, window=5, warmup=0, high_wait=0.0,
-                            min_gain=0.0, saturated=None)
+    config = AutotuneConfig(min_window_s=0.0, max_workers=4, probe=2, window=5, warmup=0,
+                            high_wait=0.0, min_gain=0.0, saturated=None)
     tuner = Autotuner(config, 2, cpu_times=unknown_cpu_times)
     assert [tuner.observe(0.003, 0.007) for _ in range(2)] == [None, Setting(1, 2)]
     tuner.applied()
@@ -291,8 +301,8 @@ def test_the_autotuner_reads_cpu_times_where_each_window_starts_and_ends() -> No
     """Reads: the first measured batch, the probe's end; after ``applied()`` the last warmup
     batch, the window's end."""
     readings = iter([CpuTimes(0, 100), CpuTimes(50, 200), CpuTimes(60, 300), CpuTimes(150, 400)])
-    config = AutotuneConfig(max_workers=4, probe=2, window=3, warmup=2, high_wait=0.0,
-                            min_gain=0.0, saturated=0.9)
+    config = AutotuneConfig(min_window_s=0.0, max_workers=4, probe=2, window=3, warmup=2,
+                            high_wait=0.0, min_gain=0.0, saturated=0.9)
     tuner = Autotuner(config, 2, cpu_times=lambda: next(readings))
     assert [tuner.observe(0.003, 0.007) for _ in range(2)] == [None, Setting(1, 2)]
     tuner.applied()

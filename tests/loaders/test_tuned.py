@@ -25,7 +25,7 @@ from tests.conftest import loader_processes
 from tests.lightning_harness import check_trainer_resume
 
 FORCED = AutotuneConfig(max_workers=2, probe=2, window=2, warmup=0, high_wait=0.0, min_gain=0.0,
-                        saturated=None)
+                        saturated=None, min_window_s=0.0)
 SLEEP_S = 0.001
 
 
@@ -121,7 +121,8 @@ def test_states_move_between_tuned_and_fixed_loaders(kind: str, first: str) -> N
 def test_a_change_decided_near_the_epoch_end_waits_for_it() -> None:
     """5 batches per epoch and a probe of 3: the first decision comes with 1 batch left, so
     the pool is rebuilt at the epoch's end, not mid-epoch (``max_workers=1``: the one step)."""
-    config = AutotuneConfig(max_workers=1, probe=3, window=3, warmup=0, high_wait=0.0)
+    config = AutotuneConfig(min_window_s=0.0, max_workers=1, probe=3, window=3, warmup=0,
+                            high_wait=0.0)
     loader = ResumableLoader(SlowDataset(15), batch_size=3, num_workers=config)
     _, _, workers = recorded(loader, 1)
     assert workers == [0] * 5
@@ -151,8 +152,8 @@ def test_batches_from_workers_not_yet_settled_are_not_measured() -> None:
     window, and the first settled one too: the pool's switch falls in the warmup. With a probe
     and windows of 2 and a warmup of 1, the second change is decided at batch 10, not 5
     (settled throughout)."""
-    config = AutotuneConfig(max_workers=1, probe=2, window=2, warmup=1, high_wait=0.0,
-                            min_gain=0.0, saturated=None)
+    config = AutotuneConfig(min_window_s=0.0, max_workers=1, probe=2, window=2, warmup=1,
+                            high_wait=0.0, min_gain=0.0, saturated=None)
     tuner = autotuner_for(config, None)
     assert tuner is not None
     delivered: list[int] = []
