@@ -47,6 +47,7 @@ from lightning_loaders.engines.workers import POLL_S, WorkerLost, WorkerStalled
 
 __all__ = [
     "KEEP_THREADS_AT",
+    "MIN_SPAN_S",
     "AutoChoice",
     "BackendSwitch",
     "ThreadPool",
@@ -60,6 +61,9 @@ _log = logging.getLogger(__name__)
 KEEP_THREADS_AT = 0.85
 """``backend="auto"`` keeps threads when they reach this fraction of the speed-up that worker
 processes could reach (processes lose about 10% to pickling and inter-process transport)."""
+MIN_SPAN_S = 0.05
+"""The shortest concurrent phase whose CPU use ``backend="auto"`` reads (the process's CPU time
+advances in ticks of a few milliseconds: a shorter span would say little)."""
 JOIN_S = 60.0
 """How long ``close()`` waits for a thread to finish the fetch it is in before leaving it."""
 
@@ -92,7 +96,7 @@ class BackendSwitch(WorkerLost):
 
 
 def choose_backend(serial_s: list[float], concurrent_s: list[float], num_workers: int,
-                   cores: int) -> str:
+                   cores: int, parallelism: float | None = None) -> str:
     """``"thread"`` or ``"process"`` from fetch times measured on threads.
 
     ``serial_s`` are the wall times of fetches that ran alone, ``concurrent_s`` of fetches
@@ -100,13 +104,17 @@ def choose_backend(serial_s: list[float], concurrent_s: list[float], num_workers
     longer when the threads run at once; work that releases it (or waits on I/O) takes about
     as long. The threads' speed-up is ``num_workers * median(serial) / median(concurrent)``;
     processes could at best reach ``min(num_workers, cores)``. Threads are kept when they
-    reach ``KEEP_THREADS_AT`` of that.
+    reach ``KEEP_THREADS_AT`` of that, or when ``parallelism`` (this process's CPU seconds per
+    wall second while all threads fetched; ``None``: unknown) does: then the threads ran on
+    that many cores at once, and fetches were slowed by the cores being shared (with the
+    training loop or other processes, as processes would share them), not by the GIL, under
+    which the process uses about one core.
     """
     serial, concurrent = statistics.median(serial_s), statistics.median(concurrent_s)
-    if concurrent <= 0:
+    target = KEEP_THREADS_AT * min(num_workers, cores)
+    if concurrent <= 0 or (parallelism is not None and parallelism >= target):
         return "thread"
-    speedup = num_workers * serial / concurrent
-    return "thread" if speedup >= KEEP_THREADS_AT * min(num_workers, cores) else "process"
+    return "thread" if num_workers * serial / concurrent >= target else "process"
 
 
 @dataclass
@@ -114,8 +122,10 @@ class AutoChoice:
     """``backend="auto"``'s measurement and decision, kept by the loader across pools.
 
     The first ``probe`` fetches run one at a time (``serial``), the next ``probe`` with every
-    thread busy (``concurrent``); then ``choose_backend`` decides, once for the loader's life.
-    ``backend`` is ``None`` until then. ``probe`` defaults to twice the number of workers.
+    thread busy (``concurrent``); then ``choose_backend`` decides, once for the loader's life,
+    also from the process's CPU seconds per wall second over the concurrent phase
+    (``parallelism``, when that phase lasted at least ``min_span_s``). ``backend`` is ``None``
+    until then. ``probe`` defaults to twice the number of workers.
     """
 
     num_workers: int
@@ -123,6 +133,9 @@ class AutoChoice:
     backend: str | None = None
     serial: list[float] = field(default_factory=list)
     concurrent: list[float] = field(default_factory=list)
+    parallelism: float | None = None
+    min_span_s: float = MIN_SPAN_S
+    _phase_start: tuple[float, float] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.probe = self.probe or 2 * self.num_workers
@@ -136,12 +149,19 @@ class AutoChoice:
         if self.backend is not None:
             return
         (self.serial if serial else self.concurrent).append(wall_s)
+        if serial and len(self.serial) == self.probe:  # the concurrent phase starts
+            self._phase_start = (time.perf_counter(), time.process_time())
         if len(self.concurrent) >= self.probe:
+            if self._phase_start is not None:
+                wall = time.perf_counter() - self._phase_start[0]
+                if wall >= self.min_span_s:
+                    self.parallelism = (time.process_time() - self._phase_start[1]) / wall
             self.backend = choose_backend(self.serial, self.concurrent, self.num_workers,
-                                          available_cpus())
+                                          available_cpus(), self.parallelism)
+            used = "unknown" if self.parallelism is None else f"{self.parallelism:.2f}"
             _log.info("backend='auto' chose %s workers (fetch times alone %s s, all threads "
-                      "busy %s s)", self.backend, _rounded(self.serial),
-                      _rounded(self.concurrent))
+                      "busy %s s, CPU seconds per second meanwhile: %s)", self.backend,
+                      _rounded(self.serial), _rounded(self.concurrent), used)
 
 
 def _rounded(values: list[float]) -> list[float]:

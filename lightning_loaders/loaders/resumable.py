@@ -74,7 +74,9 @@ class ResumableLoader(WorkerLoader):
             ``2 * num_workers`` fetches run one at a time, the next ``2 * num_workers`` with
             every thread busy, and threads are kept when ``num_workers * median(alone) /
             median(busy)`` reaches 85% of ``min(num_workers, cores)`` (what processes could
-            reach), else the loader switches to processes at the next batch, from the cursor
+            reach), or the process's CPU seconds per second while they were busy do (the
+            threads shared the cores, not the GIL), else the loader switches to processes at
+            the next batch, from the cursor
             (a dataset that cannot be pickled stays on threads); ``backend_in_use`` says which
             runs. The stream, ``sample_rng()`` and the state are the same for every backend
             (a state saved under one resumes under another). Under threads,

@@ -13,6 +13,7 @@ import pytest
 
 from lightning_loaders.engines.threads import (
     KEEP_THREADS_AT,
+    MIN_SPAN_S,
     AutoChoice,
     BackendSwitch,
     ThreadPool,
@@ -251,6 +252,35 @@ def test_the_rule_keeps_threads_when_they_run_in_parallel() -> None:
     assert choose_backend([1.0], [1.5], num_workers=2, cores=2) == "process"
     assert 2 * 1.0 / 1.15 >= KEEP_THREADS_AT * 2
     assert choose_backend([1.0], [1.15], num_workers=2, cores=2) == "thread"
+
+
+def test_threads_that_use_the_cores_at_once_are_kept_however_slow_each_fetch_became() -> None:
+    """Fetches twice as slow with both threads busy look like the GIL, unless the process
+    used about two cores meanwhile: then the cores were shared (with the training loop or
+    other processes), which processes would not escape."""
+    assert choose_backend([1.0], [2.0], num_workers=2, cores=2) == "process"
+    assert choose_backend([1.0], [2.0], num_workers=2, cores=2, parallelism=1.8) == "thread"
+    assert KEEP_THREADS_AT * 2 > 1.2  # under the GIL the process uses about one core
+    assert choose_backend([1.0], [2.0], num_workers=2, cores=2, parallelism=1.2) == "process"
+    # the fetch times alone still keep threads that wait on I/O, using no CPU at all
+    assert choose_backend([1.0], [1.0], num_workers=2, cores=2, parallelism=0.0) == "thread"
+
+
+@pytest.mark.parametrize("min_span_s", [MIN_SPAN_S, 3600.0])
+def test_auto_reads_the_processs_cpu_use_over_a_long_enough_concurrent_phase(min_span_s) -> None:
+    """Over the concurrent phase (4 fetches on 2 threads: two rounds of ``MIN_SPAN_S`` each)
+    the process's CPU seconds per second are read when it lasted ``min_span_s`` or more;
+    threads that sleep use next to no CPU."""
+    auto = AutoChoice(2, min_span_s=min_span_s)
+    pool = ThreadPool(Recorder(MIN_SPAN_S), range(4), num_workers=2, auto=auto)
+    list(pool)
+    list(pool)
+    assert auto.backend == "thread"
+    if min_span_s == MIN_SPAN_S:
+        assert auto.parallelism is not None and 0 <= auto.parallelism < 1
+    else:
+        assert auto.parallelism is None
+    pool.close()
 
 
 def test_auto_measures_fetches_alone_then_all_threads_busy() -> None:
