@@ -4,16 +4,18 @@ Ranks are started the way ``torchrun`` starts them (``MASTER_ADDR``, ``MASTER_PO
 ``LOCAL_RANK``, ``WORLD_SIZE`` in the environment), so a ``Trainer(strategy="ddp",
 accelerator="cpu", devices=N)`` inside the script joins them instead of launching its own.
 Each rank reports through ``write_result``; a rank that fails or hangs fails the test with its
-output.
+output (a hung one with every thread's stack).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,21 +41,40 @@ def run_ddp(script: str | Path, args: list[str], result_dir: Path, world_size: i
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                "NODE_RANK": "0", RESULT_DIR_ENV: str(result_dir),
+               "PYTHONFAULTHANDLER": "1",
                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=REPO,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + timeout
     outputs = []
     try:
         for proc in procs:
-            outputs.append(proc.communicate(timeout=timeout)[0])
+            try:
+                outputs.append(proc.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
+            except subprocess.TimeoutExpired:
+                outputs.append(_stacks_of_hung(proc))
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
-        assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{output[-6000:]}"
+    failed = [f"rank {rank} exited with {proc.returncode}:\n{output[-6000:]}"
+              for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True))
+              if proc.returncode != 0]
+    assert not failed, "\n\n".join(failed)
     return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def _stacks_of_hung(proc: subprocess.Popen) -> str:
+    """A rank past the deadline: abort it, so ``PYTHONFAULTHANDLER`` prints every thread's
+    stack into its output, and return that output (the test then fails with it)."""
+    proc.send_signal(signal.SIGABRT)
+    try:
+        output = proc.communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output = proc.communicate()[0]
+    return f"{output}\n(hung: aborted after the deadline)"
 
 
 def write_result(result: Any) -> None:
