@@ -91,7 +91,7 @@ class BackendSwitch(WorkerLost):
 
     def __init__(self, backend: str) -> None:
         Exception.__init__(self, f"switching to the {backend} backend")
-        self.workers = []
+        self.workers, self.reason = [], None
         self.backend = backend
 
 

@@ -5,7 +5,10 @@ torch reports a dead worker from a ``SIGCHLD`` handler, which raises in whatever
 thread runs at that moment (often the training step, where nothing can recover). ``WorkerPool``
 iterators take their workers off that handler and instead check them every ``POLL_S`` seconds
 while waiting for a batch, raising ``WorkerLost`` from the loader's own ``next()``; a
-``timeout`` raises ``WorkerStalled`` naming the worker whose batch is due. ``shutdown`` stops
+``timeout`` raises ``WorkerStalled`` naming the worker whose batch is due. A forked worker that
+does not reach torch's worker loop within ``START_S`` is killed and reported as lost too: before
+3.11.8, CPython can fork a child while another thread (gloo's, under DDP) holds the interpreter's
+thread-list lock, and that child waits for it forever (gh-112275). ``shutdown`` stops
 an iterator's workers without leaving shared memory behind. Results that workers packed into
 their shared-memory rings (``transport.RingPacker``) are unpacked as soon as they are received,
 freeing their slots. This relies on private parts of
@@ -14,8 +17,10 @@ freeing their slots. This relies on private parts of
 
 from __future__ import annotations
 
+import multiprocessing
 import queue
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,10 +30,12 @@ from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from lightning_loaders.engines.transport import Packed, RingReader
 
-__all__ = ["POLL_S", "WorkerLost", "WorkerPool", "WorkerStalled", "shutdown"]
+__all__ = ["POLL_S", "START_S", "WorkerLost", "WorkerPool", "WorkerStalled", "shutdown"]
 
 POLL_S = 0.1
 """Seconds between liveness checks of the workers while the main process waits for a batch."""
+START_S = 10.0
+"""How long a forked worker may take to reach torch's worker loop before it counts as wedged."""
 DEATH_GRACE_S = 2.0
 """How long a failed receive waits for a worker to be seen dead before it counts as an error."""
 DRAIN_S = 2.0
@@ -37,11 +44,15 @@ making (so that their shared-memory files are freed, not left until the process 
 
 
 class WorkerLost(Exception):
-    """Internal: worker processes died. ``workers`` holds ``(worker id, pid, exit code)``."""
+    """Internal: worker processes died, or were killed because they never started.
+    ``workers`` holds ``(worker id, pid, exit code)``; ``reason`` says why, when the exit code
+    does not."""
 
-    def __init__(self, workers: list[tuple[int, int | None, int | None]]) -> None:
-        super().__init__(f"DataLoader workers died: {workers}")
-        self.workers = workers
+    def __init__(self, workers: list[tuple[int, int | None, int | None]],
+                 reason: str | None = None) -> None:
+        super().__init__(f"DataLoader workers lost: {workers}" + (f" ({reason})" if reason
+                                                                   else ""))
+        self.workers, self.reason = workers, reason
 
 
 class WorkerStalled(Exception):
@@ -53,7 +64,17 @@ class WorkerStalled(Exception):
 
 
 class WorkerPool(DataLoader[Any]):
-    """The loader's internal ``DataLoader``: its multi-process iterators are watched."""
+    """The loader's internal ``DataLoader``: its multi-process iterators are watched. Forked
+    workers mark themselves started (a flag each, in memory shared with them) before the
+    ``worker_init_fn`` they were given."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.started: Any = None
+        context = self.multiprocessing_context or multiprocessing.get_context()
+        if self.num_workers > 0 and context.get_start_method() == "fork":
+            self.started = context.RawArray("b", self.num_workers)
+            self.worker_init_fn = _MarkStarted(self.started, self.worker_init_fn)
 
     def _get_iterator(self) -> Any:
         if self.num_workers == 0:
@@ -66,9 +87,13 @@ class _WatchedIterator(_MultiProcessingDataLoaderIter):
     holds requests back until it is ready, so batches never run further ahead of the
     first undelivered one than the in-flight window."""
 
-    def __init__(self, loader: DataLoader[Any]) -> None:
+    def __init__(self, loader: WorkerPool) -> None:
         self._ring_reader = RingReader()
+        self._started = loader.started
+        if self._started is not None:
+            self._started[:] = [0] * len(self._started)
         super().__init__(loader)
+        self._start_deadline = time.monotonic() + START_S if self._started is not None else None
         if self._worker_pids_set:
             torch_data_utils.signal_handling._remove_worker_pids(id(self))
             self._worker_pids_set = False
@@ -95,6 +120,8 @@ class _WatchedIterator(_MultiProcessingDataLoaderIter):
                       ) -> tuple[bool, Any]:
         deadline = time.monotonic() + timeout
         while True:
+            if self._start_deadline is not None:
+                self._check_started()
             wait = min(POLL_S, max(0.0, deadline - time.monotonic()))
             try:
                 found, data = super()._try_get_data(timeout=wait)
@@ -114,6 +141,22 @@ class _WatchedIterator(_MultiProcessingDataLoaderIter):
                 return found, (data[0], self._ring_reader.unpack(data[1], self._pin_memory))
             if found or time.monotonic() >= deadline:
                 return found, data
+
+    def _check_started(self) -> None:
+        """Past ``START_S`` after the fork, kill the live workers that have not started, and
+        report them lost (the loader restarts its workers from the cursor)."""
+        assert self._start_deadline is not None
+        if all(self._started):
+            self._start_deadline = None
+        elif time.monotonic() > self._start_deadline:
+            wedged: list[tuple[int, int | None, int | None]] = [
+                (i, w.pid, None) for i, w in enumerate(self._workers)
+                if not self._started[i] and w.exitcode is None]
+            if wedged:
+                for i, _, _ in wedged:
+                    self._workers[i].kill()
+                raise WorkerLost(wedged, f"did not start within {START_S:g} s of its fork and "
+                                         "was killed")
 
     def _dead_workers(self, grace_s: float) -> list[tuple[int, int | None, int | None]]:
         """``(worker id, pid, exit code)`` of the workers that have exited, waiting up to
@@ -162,6 +205,18 @@ class _WatchedIterator(_MultiProcessingDataLoaderIter):
         worker = info[0] if info else None
         pid = self._workers[worker].pid if worker is not None else None
         raise WorkerStalled(worker, pid, self._timeout)
+
+
+class _MarkStarted:
+    """``worker_init_fn`` wrapper: sets this worker's flag, then calls ``init_fn``."""
+
+    def __init__(self, started: Any, init_fn: Callable[[int], None] | None) -> None:
+        self.started, self.init_fn = started, init_fn
+
+    def __call__(self, worker_id: int) -> None:
+        self.started[worker_id] = 1
+        if self.init_fn is not None:
+            self.init_fn(worker_id)
 
 
 def shutdown(iterator: Any) -> None:

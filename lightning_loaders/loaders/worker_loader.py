@@ -249,10 +249,10 @@ class WorkerLoader(DeliveryCore):
             return
         worker, pid, exitcode = lost.workers[0]
         rank, epoch, batch = self.schedule.placement[0], self.schedule.epoch, self._position()
-        what = (f"DataLoader worker {worker} (pid {pid}) {describe_exit(exitcode)} with batch "
-                f"{batch} of epoch {epoch} due next on rank {rank}")
+        what = (f"DataLoader worker {worker} (pid {pid}) {lost.reason or describe_exit(exitcode)}"
+                f" with batch {batch} of epoch {epoch} due next on rank {rank}")
         if len(lost.workers) > 1:
-            what += f" (also dead: {[(w, p) for w, p, _ in lost.workers[1:]]} as (worker, pid))"
+            what += f" (also lost: {[(w, p) for w, p, _ in lost.workers[1:]]} as (worker, pid))"
         if self._epoch_restarts >= self.max_worker_restarts:
             if self.max_worker_restarts == 0:
                 fix = ("worker recovery is off (max_worker_restarts=0): set max_worker_restarts "

@@ -5,18 +5,23 @@ ends (normal end, ``del``, an exception, Ctrl-C, SIGTERM)."""
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 import torch
 
 from lightning_loaders import ResumableLoader, sample_context, worker_info
+from lightning_loaders.engines import workers
 from lightning_loaders.errors import WorkerCrashedError, WorkerTimeoutError
+from lightning_loaders.sources.shards import SequenceSource
 from lightning_loaders.testing import run_epochs
 from tests.conftest import IndexDataset, loader_processes
 from tests.lightning_harness import RecordingModule, make_trainer
@@ -155,6 +160,91 @@ def test_with_recovery_off_a_killed_worker_raises_at_once_naming_worker_pid_and_
     assert f"DataLoader worker {error.worker} (pid {victim.pid}) was killed by SIGKILL" in message
     assert "max_worker_restarts=0" in message
     assert loader_processes() == []
+
+
+# -- a worker wedged at its fork ----------------------------------------------------------
+
+
+class _WedgesOnStart(multiprocessing.context.ForkProcess):
+    """A forked process; the ``wedge``-th one started blocks forever before its target runs,
+    as a child does that inherited a lock another thread held at the fork (gh-112275)."""
+
+    started = 0
+    wedge = 1
+
+    def start(self) -> None:  # in the parent
+        type(self).started += 1
+        self.wedged = type(self).started == type(self).wedge
+        super().start()
+
+    def run(self) -> None:  # in the child
+        if self.wedged:
+            threading.Event().wait()
+        super().run()
+
+
+class WedgingContext(multiprocessing.context.ForkContext):
+    Process = _WedgesOnStart
+
+
+@pytest.fixture
+def wedging(monkeypatch) -> WedgingContext:
+    monkeypatch.setattr(workers, "START_S", 0.5)
+    monkeypatch.setattr(_WedgesOnStart, "started", 0)
+    monkeypatch.setattr(_WedgesOnStart, "wedge", 1)
+    return WedgingContext()
+
+
+def _wedge_case(kind: str, **kwargs) -> tuple[ResumableLoader, Callable[[Any], list[int]]]:
+    """A loader over 40 samples, map-style or sharded, and how to read a batch's samples."""
+    if kind == "map-style":
+        return ResumableLoader(IndexDataset(40), batch_size=4, shuffle=True, seed=6,
+                               **kwargs), indices
+    shards = SequenceSource([list(range(0, 13)), list(range(13, 20)), list(range(20, 40))])
+    return ResumableLoader(shards, batch_size=4, shuffle=True, shuffle_buffer=4, seed=6,
+                           **kwargs), torch.Tensor.tolist
+
+
+@pytest.mark.parametrize(("kind", "wedge"), [("map-style", 1), ("map-style", 2), ("sharded", 1)])
+def test_a_worker_that_never_starts_is_restarted_and_nothing_is_lost(wedging, kind, wedge,
+                                                                      caplog, monkeypatch):
+    monkeypatch.setattr(_WedgesOnStart, "wedge", wedge)
+    reference, key = _wedge_case(kind, num_workers=2)
+    loader, _ = _wedge_case(kind, num_workers=2, multiprocessing_context=wedging, timeout=10)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        got = run_epochs(loader, range(2), key=key)
+    assert got == run_epochs(reference, range(2), key=key)
+    reference.close()
+    restarts = [r.getMessage() for r in caplog.records if "restarting 2 workers" in r.getMessage()]
+    assert loader.worker_restarts == len(restarts) == 1
+    assert f"DataLoader worker {wedge - 1} " in restarts[0]
+    assert "did not start within 0.5 s of its fork" in restarts[0]
+    assert _WedgesOnStart.started == 4  # the first two, then two after the restart
+    loader.close()
+    assert loader_processes() == []
+
+
+def test_with_recovery_off_a_worker_that_never_starts_raises_and_is_killed(wedging) -> None:
+    loader = ResumableLoader(IndexDataset(40), batch_size=4, num_workers=2,
+                             multiprocessing_context=wedging, max_worker_restarts=0, timeout=10)
+    with pytest.raises(WorkerCrashedError) as info:
+        next(iter(loader))
+    error = info.value
+    assert (error.worker, error.batch, error.epoch, error.restarts) == (0, 0, 0, 0)
+    assert f"DataLoader worker 0 (pid {error.pid}) did not start within 0.5 s" in str(error)
+    assert not psutil.pid_exists(error.pid) or psutil.Process(error.pid).status() == \
+        psutil.STATUS_ZOMBIE
+    assert loader_processes() == []
+
+
+def test_workers_started_by_spawn_are_not_timed(monkeypatch) -> None:
+    """A spawned child imports everything afresh (seconds) and cannot inherit a held lock."""
+    monkeypatch.setattr(workers, "START_S", 0.0)
+    loader = ResumableLoader(IndexDataset(8), batch_size=4, num_workers=2,
+                             multiprocessing_context="spawn")
+    assert [indices(batch) for batch in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert loader.worker_restarts == 0
+    loader.close()
 
 
 # -- timeout -------------------------------------------------------------------------------
