@@ -68,10 +68,12 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'lightning_loaders' has no attribute {name!r}")
+if not TYPE_CHECKING:  # for mypy, the names are the imports above: a misspelled one is an error
+
+    def __getattr__(name: str) -> Any:
+        if name in _LAZY:
+            return getattr(import_module(_LAZY[name]), name)
+        raise AttributeError(f"module 'lightning_loaders' has no attribute {name!r}")
 
 
 __all__ = [

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import signal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import get_worker_info
 
@@ -190,16 +190,18 @@ def fetch_error_type(original: type[BaseException]) -> type[SampleFetchError]:
     return kind
 
 
-def __getattr__(name: str) -> type[SampleFetchError]:
-    """Find a combined error class by its name (unpickling in another process)."""
-    if name.startswith(_PREFIX) and name.endswith("]"):
-        module, _, qualname = name[len(_PREFIX):-1].replace("/", ".").partition(":")
-        original = _lookup(module, qualname)
-        if isinstance(original, type) and issubclass(original, BaseException):
-            kind = fetch_error_type(original)
-            if kind is not SampleFetchError:
-                return kind
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+if not TYPE_CHECKING:  # hidden from mypy, which would accept any name imported from here
+
+    def __getattr__(name: str) -> type[SampleFetchError]:
+        """Find a combined error class by its name (unpickling in another process)."""
+        if name.startswith(_PREFIX) and name.endswith("]"):
+            module, _, qualname = name[len(_PREFIX):-1].replace("/", ".").partition(":")
+            original = _lookup(module, qualname)
+            if isinstance(original, type) and issubclass(original, BaseException):
+                kind = fetch_error_type(original)
+                if kind is not SampleFetchError:
+                    return kind
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _importable(original: type) -> bool:
