@@ -8,10 +8,13 @@ children at will (the zygote reaps them); a fork costs milliseconds where a fres
 would import Lightning again for seconds.
 
 A child appends one JSON line per training step to ``request["log"]`` (flushed at once, so it
-survives a SIGKILL): ``{"step", "epoch", "batch_idx", "ids"}`` with ``ids`` the batch's sample
-ids. With ``"trainer": true`` (the default) it runs ``Trainer.fit`` (``max_epochs=epochs``,
+survives a SIGKILL): ``{"step", "epoch", "batch_idx", "ids", "t"}`` with ``ids`` the batch's
+sample ids and ``t`` the ``time.monotonic()`` of the step (the same clock in every process).
+With ``"trainer": true`` (the default) it runs ``Trainer.fit`` (``max_epochs=epochs``,
 optionally ``max_steps``) with a checkpoint after every step and resumes from
-``<out>/last.ckpt`` when there is one; otherwise it runs a plain loop over the loader.
+``<out>/last.ckpt`` when there is one; otherwise it runs a plain loop over the loader. With
+``"hold_at": s`` it stops at step ``s`` (once logged) until it is killed: a test that means to
+kill it near a step cannot be outrun by a fast child or a busy machine.
 ``CONFIGURATIONS`` lists what it can train on (``"kind"``).
 
 ``TrainingZygote`` is the tests' side (importing this module does not import Lightning).
@@ -202,14 +205,17 @@ def run(request: dict[str, Any]) -> None:
     kind, num_workers = request.get("kind", "map"), int(request.get("num_workers", 2))
     epochs, step_sleep = int(request["epochs"]), float(request.get("step_sleep", 0.0))
     max_steps = int(request.get("max_steps", -1))
+    hold_at = request.get("hold_at")
     with open(log_path, "a") as log:
 
         def record(step: int, epoch: int, batch_idx: int, batch: Any) -> None:
             log.write(json.dumps({"step": step, "epoch": epoch, "batch_idx": batch_idx,
-                                  "ids": batch_ids(batch)}) + "\n")
+                                  "ids": batch_ids(batch), "t": time.monotonic()}) + "\n")
             log.flush()
             if step_sleep:
                 time.sleep(step_sleep)
+            if hold_at is not None and step >= hold_at:
+                threading.Event().wait()
 
         if request.get("trainer", True):
             _fit(out, make_loader(kind, num_workers), epochs, max_steps, record)
