@@ -144,7 +144,7 @@ def run(settings: Settings) -> Report:
               "default_collate): us per batch",
         columns=columns,
         rows=rows,
-        notes=(f"Per repetition and loader (in rotated order), one epoch of a new iter() on "
+        notes=(f"Per repetition and loader (in a shuffled order), one epoch of a new iter() on "
                f"persistent workers: {warmup} warm-up batches, {batches} timed; medians of "
                f"{settings.repeats} repetitions. 'main CPU': the main process (all its "
                "threads); 'all CPU': main process and workers. MB/s: batch bytes / wall time.",

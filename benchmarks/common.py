@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import random
 import resource
 import statistics
 import sys
@@ -107,15 +108,16 @@ class Report:
 
 def interleaved(cases: Mapping[str, Callable[[], float]], repeats: int, desc: str,
                 settings: Settings) -> dict[str, list[float]]:
-    """Run every case once per repetition, in an order rotated at each repetition (so slow
-    drifts of a shared machine hit every case alike); the values each case returned."""
+    """Run every case once per repetition, in an order shuffled at each repetition (seeded):
+    neither a slow drift of a shared machine nor what the case before left behind (a process
+    still exiting, the page cache) favours one case. The values each case returned."""
     names = list(cases)
     values: dict[str, list[float]] = {name: [] for name in names}
+    order = random.Random(len(names))
     with tqdm(total=repeats * len(names), desc=desc, file=sys.stderr, leave=False,
               disable=not settings.progress) as bar:
-        for rep in range(repeats):
-            shift = rep % len(names)
-            for name in names[shift:] + names[:shift]:
+        for _ in range(repeats):
+            for name in order.sample(names, len(names)):
                 gc.collect()
                 values[name].append(cases[name]())
                 bar.update()
