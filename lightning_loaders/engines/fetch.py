@@ -43,6 +43,7 @@ from torch.utils.data import (
 
 from lightning_loaders.context import seeded_fetch, set_samples, worker_info
 from lightning_loaders.engines.faults import Failed, OnError, Skipped, SkippedSample
+from lightning_loaders.engines.transport import ring_collate
 from lightning_loaders.errors import SampleFetchError, fetch_error
 from lightning_loaders.schedule.requests import BatchRequest
 from lightning_loaders.sources.tables import TableDataset
@@ -69,16 +70,19 @@ class BatchFetcher(Dataset[Any]):
     """Fetches and collates whole planned batches (what the internal DataLoader's workers index).
 
     ``in_memory`` is true when batches are gathered by vectorised indexing with no user code
-    involved: worker processes can then only add inter-process cost.
+    involved: worker processes can then only add inter-process cost. With ``ring`` (worker
+    processes send through shared-memory rings), the default collate is ``ring_collate``.
     """
 
     def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None, seed: int,
-                 on_error: OnError = "raise", unbatched: Unbatched = ""):
+                 on_error: OnError = "raise", unbatched: Unbatched = "", ring: bool = False):
         self.dataset = dataset
         self.on_error = on_error
         self.init_failure: Failed | None = None  # set in a worker whose worker_init_fn raised
         default = collate_fn is None or collate_fn is default_collate
-        self.collate_fn = default_collate if collate_fn is None else collate_fn
+        self.collate_fn: Callable[[list[Any]], Any] = (
+            collate_fn if collate_fn is not None and not default
+            else ring_collate if ring else default_collate)
         self.seed = seed
         self.unbatched: Unbatched = unbatched
         self.numbered = False

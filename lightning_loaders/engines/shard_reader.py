@@ -14,6 +14,7 @@ import numpy as np
 from torch.utils.data import Dataset, default_collate
 
 from lightning_loaders.context import seeded_fetch
+from lightning_loaders.engines.transport import ring_collate
 from lightning_loaders.errors import SampleFetchError, fetch_error
 from lightning_loaders.hashing import mix64
 from lightning_loaders.orders.permutation import KeyedPermutation
@@ -200,10 +201,12 @@ class SlotFetcher(Dataset[Any]):
     """
 
     def __init__(self, source: ShardedSource[Any], config: PlanConfig, slots: int, window: int,
-                 collate_fn: Callable[[list[Any]], Any] | None) -> None:
+                 collate_fn: Callable[[list[Any]], Any] | None, ring: bool = False) -> None:
         self.dataset = source.dataset if isinstance(source, PlainStream) else source
         self.source, self.config, self.slots, self.window = source, config, slots, window
-        self.collate_fn = collate_fn if collate_fn is not None else default_collate
+        self.collate_fn: Callable[[list[Any]], Any] = (
+            collate_fn if collate_fn is not None and collate_fn is not default_collate
+            else ring_collate if ring else default_collate)
         self._readers: dict[int, SlotReader] = {}
         self._partitions: dict[int, tuple[SlotReader, int]] = {}  # reader, next sample
         self._source_epoch: int | None = None

@@ -31,6 +31,7 @@ import io
 import mmap
 import os
 import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from multiprocessing import util as mp_util
 from multiprocessing.reduction import ForkingPickler
@@ -38,9 +39,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import get_worker_info
+from torch.utils.data import default_collate, get_worker_info
+from torch.utils.data._utils import worker as torch_worker
 
-__all__ = ["MAX_TENSOR_BYTES", "SHM_DIR", "Packed", "RingPacker", "RingReader", "ring_files"]
+__all__ = ["MAX_TENSOR_BYTES", "SHM_DIR", "Packed", "RingPacker", "RingReader", "ring_collate",
+           "ring_files"]
 
 SHM_DIR = "/dev/shm"
 MAX_TENSOR_BYTES = 1 << 20
@@ -98,6 +101,37 @@ class RingPacker:
         if self._ring is None:
             self._ring = _Ring(self.owner, self.slots)
         return self._ring.pack(result)
+
+
+def ring_collate(samples: list[Any]) -> Any:
+    """``default_collate`` in a worker whose results go through its ring.
+
+    In a worker process, ``default_collate`` stacks each tensor into a fresh shared-memory
+    segment, made, mapped, faulted in and unmapped per batch. When the ring takes every tensor
+    of the batch (none over ``MAX_TENSOR_BYTES``), it copies them into its slot anyway: they are
+    stacked into private memory instead. Larger batches keep torch's segments, which torch
+    then sends without a copy. The values are ``default_collate``'s either way.
+    """
+    if (get_worker_info() is None or not samples
+            or _largest_leaf(samples[0]) * len(samples) > MAX_TENSOR_BYTES):
+        return default_collate(samples)
+    saved = torch_worker._worker_info
+    torch_worker._worker_info = None  # default_collate's test for "in a worker process"
+    try:
+        return default_collate(samples)
+    finally:
+        torch_worker._worker_info = saved
+
+
+def _largest_leaf(sample: Any) -> int:
+    """Bytes of the largest tensor or array in ``sample`` (8 for a number)."""
+    if isinstance(sample, torch.Tensor | np.ndarray):
+        return int(sample.nbytes)
+    if isinstance(sample, Mapping):
+        return max((_largest_leaf(value) for value in sample.values()), default=0)
+    if isinstance(sample, tuple | list):
+        return max((_largest_leaf(value) for value in sample), default=0)
+    return 8
 
 
 class RingReader:

@@ -217,7 +217,7 @@ class ResumableIterableLoader(ResumableLoader):
                                          options.world_size, partitions)
         self.sampler = EpochSampler(self.schedule)
         self._fetcher = SlotFetcher(source, config, slots, max(1, shuffle_buffer),
-                                   options.collate_fn)
+                                   options.collate_fn, ring=self.shared_ring)
         self._warned_surplus = False
         self._window = DeliveredWindow()  # canonical partitions: batches past the frontier
         self._restored = False  # a loaded window waits for its epoch to open

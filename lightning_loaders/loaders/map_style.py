@@ -353,7 +353,8 @@ class MapStyleLoader(ResumableLoader):
         """The batch fetcher (made once: it probes the dataset for the fastest fetch path)."""
         if self._batch_fetcher is None:
             self._batch_fetcher = BatchFetcher(self.dataset, self.collate_fn, self.seed,
-                                               self.on_error, self._unbatched)
+                                               self.on_error, self._unbatched,
+                                               ring=self.shared_ring)
         return self._batch_fetcher
 
     def _receive(self, item: Any) -> Any:

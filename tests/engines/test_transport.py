@@ -16,10 +16,11 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset, IterableDataset, default_collate
+from torch.utils.data._utils import worker as torch_worker
 
 from lightning_loaders import ResumableLoader
-from lightning_loaders.engines.transport import MAX_TENSOR_BYTES, ring_files
+from lightning_loaders.engines.transport import MAX_TENSOR_BYTES, ring_collate, ring_files
 from lightning_loaders.testing import check_resume_at_every_step, run_epochs
 from tests.conftest import loader_processes
 from tests.ddp_harness import REPO
@@ -241,3 +242,41 @@ def test_with_pin_memory_batches_are_copied_out_of_the_ring_into_pinned_memory()
     assert [_exact(batch) for batch in batches] == expected
     pinned.close()
     _assert_no_ring_left()
+
+
+# -- collating for the ring ----------------------------------------------------------------
+
+
+@pytest.fixture
+def as_a_worker() -> Iterator[None]:
+    """This process seen as a DataLoader worker (what ``get_worker_info()`` reads)."""
+    saved = torch_worker._worker_info
+    torch_worker._worker_info = torch_worker.WorkerInfo(id=0, num_workers=1, seed=0,
+                                                        dataset=None)
+    yield
+    torch_worker._worker_info = saved
+
+
+def test_ring_collate_stacks_what_the_ring_takes_in_private_memory(as_a_worker) -> None:
+    """A batch the ring carries whole (512 KiB of rows here) is not first stacked into torch's
+    shared-memory segments; one with a tensor over ``MAX_TENSOR_BYTES`` still is (torch sends
+    it without a copy). The values are ``default_collate``'s."""
+    small = [{"x": torch.arange(4096, dtype=torch.float32) + i, "n": i, "s": f"{i}"}
+             for i in range(32)]
+    big = [{"x": np.full((3, 128, 128), i, dtype=np.uint8), "n": i, "s": f"{i}"}
+           for i in range(32)]
+    assert 32 * 4096 * 4 <= MAX_TENSOR_BYTES < 32 * 3 * 128 * 128
+    for samples, shared in ((small, False), (big, True)):
+        expected = default_collate(samples)
+        got = ring_collate(samples)
+        assert expected["x"].is_shared()  # torch's way in a worker
+        assert got["x"].is_shared() == shared
+        assert torch.equal(got["x"], expected["x"]) and torch.equal(got["n"], expected["n"])
+        assert got["s"] == expected["s"]
+    assert torch_worker._worker_info is not None  # the worker's view is back
+
+
+def test_ring_collate_outside_a_worker_is_default_collate() -> None:
+    samples = [torch.arange(8) + i for i in range(4)]
+    assert torch.equal(ring_collate(samples), default_collate(samples))
+    assert not ring_collate(samples).is_shared()
