@@ -641,22 +641,28 @@ def run(settings: Settings, numpy_samples: int | None = None, jpeg_samples: int 
         notes.append(f"{workload}: load average (1 min) {os.getloadavg()[0]:.1f} after its "
                      f"run, on {cores} cores.")
 
-    n = numpy_samples or settings.pick(128, 4096)
-    section("numpy", _measure(_Spec(kind="numpy", samples=n), contenders, settings.repeats,
-                              settings), n)
+    def size(given: int | None, quick: int, full: int) -> int:
+        return settings.pick(quick, full) if given is None else given  # 0: leave it out
 
-    n = jpeg_samples or settings.pick(64, 2048)
-    with tempfile.TemporaryDirectory(prefix="ll-bench-throughput-") as directory:
-        write_jpegs(Path(directory), n, 224)
-        section("jpeg", _measure(_Spec(kind="jpeg", samples=n, directory=directory),
-                                 contenders, settings.repeats, settings), n)
+    n = size(numpy_samples, 128, 4096)
+    if n:
+        section("numpy", _measure(_Spec(kind="numpy", samples=n), contenders, settings.repeats,
+                                  settings), n)
 
-    n = dict_samples or settings.pick(20_000, 1_000_000)
+    n = size(jpeg_samples, 64, 2048)
+    if n:
+        with tempfile.TemporaryDirectory(prefix="ll-bench-throughput-") as directory:
+            write_jpegs(Path(directory), n, 224)
+            section("jpeg", _measure(_Spec(kind="jpeg", samples=n, directory=directory),
+                                     contenders, settings.repeats, settings), n)
+
+    n = size(dict_samples, 20_000, 1_000_000)
     dict_repeats = max(1, settings.repeats // 3)
-    dict_contenders = _contenders([name for name in DICT_PEERS
-                                   if not (settings.quick and name in QUICK_SKIPS)])
-    section("dicts", _measure(_Spec(kind="dicts", samples=n), dict_contenders, dict_repeats,
-                              settings), n)
+    if n:
+        dict_contenders = _contenders([name for name in DICT_PEERS
+                                       if not (settings.quick and name in QUICK_SKIPS)])
+        section("dicts", _measure(_Spec(kind="dicts", samples=n), dict_contenders, dict_repeats,
+                                  settings), n)
 
     notes[:0] = [
         f"Limit: one core's serial epoch (the main process calls __getitem__ and default_collate, "
@@ -691,6 +697,6 @@ def run(settings: Settings, numpy_samples: int | None = None, jpeg_samples: int 
 
 if __name__ == "__main__":
     sys.exit(standalone(run, __doc__.splitlines()[0], {
-        "numpy_samples": "samples of the numpy workload",
-        "jpeg_samples": "JPEG files",
-        "dict_samples": "records of the dicts workload"}))
+        "numpy_samples": "samples of the numpy workload (0 leaves it out)",
+        "jpeg_samples": "JPEG files (0 leaves the workload out)",
+        "dict_samples": "records of the dicts workload (0 leaves it out)"}))
