@@ -43,7 +43,7 @@ from torch.utils.data import (
 
 from lightning_loaders.context import seeded_fetch, set_samples, worker_info
 from lightning_loaders.engines.faults import Failed, OnError, Skipped, SkippedSample
-from lightning_loaders.engines.transport import ring_collate
+from lightning_loaders.engines.transport import worker_collate
 from lightning_loaders.errors import SampleFetchError, fetch_error
 from lightning_loaders.schedule.requests import BatchRequest
 from lightning_loaders.sources.tables import TableDataset
@@ -80,9 +80,7 @@ class BatchFetcher(Dataset[Any]):
         self.on_error = on_error
         self.init_failure: Failed | None = None  # set in a worker whose worker_init_fn raised
         default = collate_fn is None or collate_fn is default_collate
-        self.collate_fn: Callable[[list[Any]], Any] = (
-            collate_fn if collate_fn is not None and not default
-            else ring_collate if ring else default_collate)
+        self.collate_fn = worker_collate(collate_fn, ring)
         self.seed = seed
         self.unbatched: Unbatched = unbatched
         self.numbered = False

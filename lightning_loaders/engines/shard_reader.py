@@ -11,10 +11,10 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset
 
 from lightning_loaders.context import seeded_fetch
-from lightning_loaders.engines.transport import ring_collate
+from lightning_loaders.engines.transport import worker_collate
 from lightning_loaders.errors import SampleFetchError, fetch_error
 from lightning_loaders.hashing import mix64
 from lightning_loaders.orders.permutation import KeyedPermutation
@@ -204,9 +204,7 @@ class SlotFetcher(Dataset[Any]):
                  collate_fn: Callable[[list[Any]], Any] | None, ring: bool = False) -> None:
         self.dataset = source.dataset if isinstance(source, PlainStream) else source
         self.source, self.config, self.slots, self.window = source, config, slots, window
-        self.collate_fn: Callable[[list[Any]], Any] = (
-            collate_fn if collate_fn is not None and collate_fn is not default_collate
-            else ring_collate if ring else default_collate)
+        self.collate_fn = worker_collate(collate_fn, ring)
         self._readers: dict[int, SlotReader] = {}
         self._partitions: dict[int, tuple[SlotReader, int]] = {}  # reader, next sample
         self._source_epoch: int | None = None

@@ -31,7 +31,7 @@ import io
 import mmap
 import os
 import pickle
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing import util as mp_util
 from multiprocessing.reduction import ForkingPickler
@@ -43,7 +43,7 @@ from torch.utils.data import default_collate, get_worker_info
 from torch.utils.data._utils import worker as torch_worker
 
 __all__ = ["MAX_TENSOR_BYTES", "SHM_DIR", "Packed", "RingPacker", "RingReader", "ring_collate",
-           "ring_files"]
+           "ring_files", "worker_collate"]
 
 SHM_DIR = "/dev/shm"
 MAX_TENSOR_BYTES = 1 << 20
@@ -121,6 +121,15 @@ def ring_collate(samples: list[Any]) -> Any:
         return default_collate(samples)
     finally:
         torch_worker._worker_info = saved
+
+
+def worker_collate(collate_fn: Callable[[list[Any]], Any] | None, ring: bool
+                   ) -> Callable[[list[Any]], Any]:
+    """The collate a fetcher runs: the user's, else ``default_collate`` (``ring_collate``
+    when worker processes send through rings)."""
+    if collate_fn is not None and collate_fn is not default_collate:
+        return collate_fn
+    return ring_collate if ring else default_collate
 
 
 def _largest_leaf(sample: Any) -> int:
