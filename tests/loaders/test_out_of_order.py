@@ -7,6 +7,7 @@ speed. Two workers with ``prefetch_factor=2`` dispatch at most 4 batches past th
 undelivered one, so the gate opens after 2 batches (those that can pass the blocked one)."""
 
 import os
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -324,8 +325,13 @@ def test_iterable_batches_arrive_out_of_order_and_each_once(tmp_path: Path, back
     for epoch in range(2):
         assert Counter(got[epoch]) == Counter(plans[epoch]) and len(got[epoch]) == len(loader)
     assert got[0] != plans[0] and got[0][0] != plans[0][0]  # the gated first batch came later
-    gate.unlink()  # in order, the gated first batch comes first whatever the workers do
+    # in order, the gated first batch comes first whatever the workers do: the gate opens half
+    # a second in, when the other batches have long been ready
+    gate.unlink()
+    opener = threading.Timer(0.5, gate.touch)
+    opener.start()
     assert _epochs(_make_iterable(gate, in_order=True), gate, range(1)) == plans[:1]
+    opener.join()
 
 
 def _check_resumes(make, gate: Path, states: list, full: list, plans: list) -> None:
