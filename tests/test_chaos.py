@@ -54,6 +54,7 @@ TRAINER_KILLS = 12
 WORKER_KILLS = 3
 KILL_MARGIN = 10  # steps a kill target leaves before the end of the run
 HOLD_AFTER = 4  # steps past its kill target a child may train before it waits to be killed
+IN_FLIGHT = 4  # batches the loader requests ahead: 2 workers x prefetch_factor 2
 RESTART = "restarting 2 workers from the cursor"  # logged when the loader replaces them
 
 
@@ -194,25 +195,30 @@ def _chaos_run(zygote: TrainingZygote, kind: str, root: Path, steps_per_epoch: i
             # far enough from the end that a fast run cannot finish before the kill lands
             target = min(resume + rng.randint(0, 2 * gap), total - KILL_MARGIN)
             target = next((b for b in boundaries if resume <= b <= target), target)
+        # Now and then kill a DataLoader worker instead, early enough in a long attempt that
+        # the loader must notice and recover before the training process is killed itself.
+        # The child pauses at its second step for it. Past the paused step, Lightning holds
+        # one batch and ``IN_FLIGHT`` are requested; when two more follow in the epoch, each
+        # worker still owes one nobody asked for yet, so the loader must miss the dead worker
+        # (one done with its epoch is shut down with it, unnoticed: no restart is due).
+        paused = (resume + 1) % steps_per_epoch
+        kill_worker = (worker_kills < WORKER_KILLS and (target or total) - resume >= 6
+                       and paused + 1 + IN_FLIGHT + 2 < steps_per_epoch)
         pid = zygote.start(kind=kind, out=str(out), log=str(log), epochs=EPOCHS,
                            max_steps=total,
-                           hold_at=None if target is None else target + HOLD_AFTER)
-        # Now and then kill a DataLoader worker instead, early enough in a long attempt that
-        # the loader must notice and recover before the training process is killed itself,
-        # and early enough in its epoch that the worker still owes batches (one that is done
-        # with the epoch is shut down with it, unnoticed: no restart is due).
-        if (worker_kills < WORKER_KILLS and (target or total) - resume >= 6
-                and resume % steps_per_epoch + 8 <= steps_per_epoch
-                and _wait_for_step(log, resume + 1, pid)):
+                           hold_at=None if target is None else target + HOLD_AFTER,
+                           pause_at=resume + 1 if kill_worker else None)
+        if kill_worker and _wait_for_step(log, resume + 1, pid):
             # torch's workers only: the shared-memory manager or Python's resource tracker
             # may be children too, and killing one of those is not a worker crash
             workers = [p for p in _tree(pid)[1:] if _name(p) == "pt_data_worker"]
             if workers:
                 rng.choice(workers).send_signal(signal.SIGKILL)
                 worker_kills += 1
-                # batches the worker made before it died may carry training past ``target``
-                # before the loader misses it: kill the training process after the restart
-                _wait_for_output(out / f"output-{pid}.txt", RESTART, pid)
+            Path(f"{log}.go").touch()
+            # batches the worker made before it died may carry training past ``target``
+            # before the loader misses it: kill the training process after the restart
+            _wait_for_output(out / f"output-{pid}.txt", RESTART, pid)
         if target is not None and _wait_for_step(log, target, pid):
             # land anywhere in the next step or so: its fetch, training step or save
             logged = next(line["t"] for line in read_log(log) if line["step"] >= target)
@@ -266,7 +272,7 @@ def test_sigkill_at_random_steps_then_resume_trains_on_the_uninterrupted_stream(
     print(f"chaos ({kind}, 2 workers): {result}")
     # every attempt above was checked against the uninterrupted stream
     assert result["trainer_kills"] == TRAINER_KILLS
-    assert result["worker_restarts"] == result["worker_kills"]
+    assert result["worker_restarts"] == result["worker_kills"] == WORKER_KILLS
     if kind not in ORDERED:  # a batch with a slow sample is overtaken, again and again
         assert result["reordered_steps"] > 0
 

@@ -14,7 +14,9 @@ With ``"trainer": true`` (the default) it runs ``Trainer.fit`` (``max_epochs=epo
 optionally ``max_steps``) with a checkpoint after every step and resumes from
 ``<out>/last.ckpt`` when there is one; otherwise it runs a plain loop over the loader. With
 ``"hold_at": s`` it stops at step ``s`` (once logged) until it is killed: a test that means to
-kill it near a step cannot be outrun by a fast child or a busy machine.
+kill it near a step cannot be outrun by a fast child or a busy machine. With ``"pause_at": s``
+it stops at step ``s`` (once logged) until the file ``<log>.go`` exists: a test can act while
+the loader's batches in flight are a known few (a worker killed then still owes batches).
 ``CONFIGURATIONS`` lists what it can train on (``"kind"``).
 
 ``TrainingZygote`` is the tests' side (importing this module does not import Lightning).
@@ -205,7 +207,8 @@ def run(request: dict[str, Any]) -> None:
     kind, num_workers = request.get("kind", "map"), int(request.get("num_workers", 2))
     epochs, step_sleep = int(request["epochs"]), float(request.get("step_sleep", 0.0))
     max_steps = int(request.get("max_steps", -1))
-    hold_at = request.get("hold_at")
+    hold_at, pause_at = request.get("hold_at"), request.get("pause_at")
+    go = Path(f"{log_path}.go")
     with open(log_path, "a") as log:
 
         def record(step: int, epoch: int, batch_idx: int, batch: Any) -> None:
@@ -216,6 +219,8 @@ def run(request: dict[str, Any]) -> None:
                 time.sleep(step_sleep)
             if hold_at is not None and step >= hold_at:
                 threading.Event().wait()
+            while step == pause_at and not go.exists():
+                time.sleep(0.005)
 
         if request.get("trainer", True):
             _fit(out, make_loader(kind, num_workers), epochs, max_steps, record)
