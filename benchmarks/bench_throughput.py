@@ -27,6 +27,10 @@ included) and the *next* (the same loader iterated again: what the epochs of a t
 cost). Loaders with workers keep them between epochs (``persistent_workers=True`` for
 ``DataLoader`` and ``StatefulDataLoader``, as for ours by default).
 
+The limit assumes that ``n`` cores do ``n`` times one core's work. Per workload, a note says how
+far they do here with no loader at all (``core_scaling``): a serial epoch alone on one pinned
+core against one per core at once.
+
 Besides the table, ``run`` writes ``throughput.png``: a panel per workload, every row's
 fraction of the limit.
 """
@@ -62,7 +66,7 @@ from benchmarks.common import (
 from benchmarks.images import write_jpegs
 
 __all__ = ["CONTENDERS", "OURS", "Contender", "JpegResize", "PeakMemory", "Workload",
-           "ours_contenders", "run"]
+           "core_scaling", "ours_contenders", "run"]
 
 WORKERS = 2
 EPOCHS = ("first", "next")  # the epochs each loader reads (see the module docstring)
@@ -496,10 +500,51 @@ def _child_epoch(spec: _Spec, name: str, sample_memory: bool, connection: Any) -
     connection.close()
 
 
+def _serial_epoch_on(spec: _Spec, core: int, results: Any) -> None:
+    """In a forked child pinned to ``core``: the seconds of one serial epoch, put in
+    ``results``."""
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    serial = _Serial(_workload(spec))
+    start = time.perf_counter()
+    for _ in serial:
+        pass
+    results.put(time.perf_counter() - start)
+
+
+def _serial_epochs_at_once(spec: _Spec, cores: Sequence[int]) -> float:
+    """Seconds until each of one forked process per core of ``cores`` has read a serial
+    epoch."""
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    children = [context.Process(target=_serial_epoch_on, args=(spec, core, results))
+                for core in cores]
+    for child in children:
+        child.start()
+    seconds = [results.get() for _ in children]
+    for child in children:
+        child.join()
+    return max(seconds)
+
+
+def core_scaling(spec: _Spec, pairs: int) -> float:
+    """How far the cores scale together on a workload, with no loader: a serial epoch alone on
+    one pinned core, against one per core at once, each pinned to its own (the median over
+    ``pairs`` pairs of alone / at once). The limit assumes 1.0; no loader can count on more
+    of it than this."""
+    cores = sorted(os.sched_getaffinity(0))
+    _serial_epochs_at_once(spec, cores[:1])  # warms the file cache
+    return float(np.median([_serial_epochs_at_once(spec, cores[:1])
+                            / _serial_epochs_at_once(spec, cores) for _ in range(pairs)]))
+
+
 def _in_child(spec: _Spec, name: str, sample_memory: bool) -> dict[str, Any]:
     """``_child_epoch`` in a new process forked from a fork server; its result."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "lightning_loaders", "benchmarks.bench_throughput"])
+    preload = ["torch", "lightning_loaders"]
+    if __name__ != "__main__":  # run as a script, each child runs this module as its main
+        preload.append(__name__)
+    context.set_forkserver_preload(preload)
     # by its importable name, also when this module runs as __main__
     target = importlib.import_module("benchmarks.bench_throughput")._child_epoch
     receive, send = context.Pipe(duplex=False)
@@ -636,33 +681,35 @@ def run(settings: Settings, numpy_samples: int | None = None, jpeg_samples: int 
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
 
-    def section(workload: str, measured: dict[str, _Measured], samples: int) -> None:
-        rows.extend(_rows(workload, measured, families, samples, cores))
-        notes.append(f"{workload}: load average (1 min) {os.getloadavg()[0]:.1f} after its "
-                     f"run, on {cores} cores.")
+    def section(spec: _Spec, contenders: Sequence[Contender], repeats: int) -> None:
+        measured = _measure(spec, contenders, repeats, settings)
+        load = os.getloadavg()[0]
+        rows.extend(_rows(spec.kind, measured, families, spec.samples, cores))
+        notes.append(f"{spec.kind}: load average (1 min) {load:.1f} after its run, on {cores} "
+                     f"cores. With no loader, {cores} serial epochs at once, one per pinned core, "
+                     f"ran at {core_scaling(spec, repeats):.2f} of {cores}x the speed of one "
+                     f"alone (median of {repeats} pairs): the most of the limit the cores give.")
 
     def size(given: int | None, quick: int, full: int) -> int:
         return settings.pick(quick, full) if given is None else given  # 0: leave it out
 
     n = size(numpy_samples, 128, 4096)
     if n:
-        section("numpy", _measure(_Spec(kind="numpy", samples=n), contenders, settings.repeats,
-                                  settings), n)
+        section(_Spec(kind="numpy", samples=n), contenders, settings.repeats)
 
     n = size(jpeg_samples, 64, 2048)
     if n:
         with tempfile.TemporaryDirectory(prefix="ll-bench-throughput-") as directory:
             write_jpegs(Path(directory), n, 224)
-            section("jpeg", _measure(_Spec(kind="jpeg", samples=n, directory=directory),
-                                     contenders, settings.repeats, settings), n)
+            section(_Spec(kind="jpeg", samples=n, directory=directory), contenders,
+                    settings.repeats)
 
     n = size(dict_samples, 20_000, 1_000_000)
     dict_repeats = max(1, settings.repeats // 3)
     if n:
         dict_contenders = _contenders([name for name in DICT_PEERS
                                        if not (settings.quick and name in QUICK_SKIPS)])
-        section("dicts", _measure(_Spec(kind="dicts", samples=n), dict_contenders, dict_repeats,
-                                  settings), n)
+        section(_Spec(kind="dicts", samples=n), dict_contenders, dict_repeats)
 
     notes[:0] = [
         f"Limit: one core's serial epoch (the main process calls __getitem__ and default_collate, "

@@ -7,6 +7,7 @@ Speed is never asserted here (benchmarks/README.md holds the measured figures); 
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,9 @@ def test_throughput_contenders_deliver_the_same_samples(tmp_path: Path) -> None:
                  numpy_samples=64, jpeg_samples=32, dict_samples=2_000)
     rows = [row for row in report.rows if "same samples as serial" in row]
     assert {row["workload"] for row in rows} == {"numpy", "jpeg", "dicts"}
+    scaling = [re.search(r"^(\w+): .* ran at (\d+\.\d+) of", note) for note in report.notes]
+    assert {(m[1], float(m[2]) > 0) for m in scaling if m} == {
+        ("numpy", True), ("jpeg", True), ("dicts", True)}
     for row in rows:
         assert row["same samples as serial"].startswith("yes"), row
         assert row["peak PSS, all processes (MiB)"] > 0, row
