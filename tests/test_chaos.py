@@ -209,8 +209,8 @@ def _chaos_run(zygote: TrainingZygote, kind: str, root: Path, steps_per_epoch: i
                            hold_at=None if target is None else target + HOLD_AFTER,
                            pause_at=resume + 1 if kill_worker else None)
         if kill_worker and _wait_for_step(log, resume + 1, pid):
-            # torch's workers only: the shared-memory manager or Python's resource tracker
-            # may be children too, and killing one of those is not a worker crash
+            # the workers only (named as torch's are): the shared-memory manager or Python's
+            # resource tracker may be children too, and killing one is not a worker crash
             workers = [p for p in _tree(pid)[1:] if _name(p) == "pt_data_worker"]
             if workers:
                 rng.choice(workers).send_signal(signal.SIGKILL)

@@ -1,2 +1,2 @@
 """Engines: what turns a schedule's planned requests into batches (batch fetch, the shard
-reader, torch's worker processes), and what a failing fetch reports."""
+reader, the worker pools of processes and threads), and what a failing fetch reports."""

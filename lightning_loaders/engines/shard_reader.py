@@ -1,5 +1,5 @@
 """Worker side of an iterable loader: one slot's reader cuts batches from its pieces, and
-``SlotFetcher`` (what torch's workers index) answers one planned request with one batch.
+``SlotFetcher`` (what the workers index) answers one planned request with one batch.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
-"""Worker threads: what torch's worker processes do for the loader, with threads.
+"""Worker threads: what the worker processes do for the loader, with threads.
 
-``ThreadPool(fetcher, requests, num_workers=N, ...)`` stands where
-``DataLoader(fetcher, sampler=requests, batch_size=None, num_workers=N)`` stands for worker
-processes: it iterates the requests, runs ``fetcher[request]`` on ``N`` threads and delivers
-the results in request order, or, with ``in_order=False``, as they finish (holding requests
-back while the requests iterator's ``ready()`` says so, as ``workers._WatchedIterator`` does).
-Thread ``w`` runs ``worker_init_fn(w)`` once, then serves the requests torch's round-robin
-gives worker ``w`` (``w``, ``w + N``, ... with ``in_order=True``), on its own
+``ThreadPool(fetcher, requests, num_workers=N, ...)`` is ``workers.ProcessPool`` with threads:
+it iterates the requests as ``pool.PoolIterator`` says (order, round-robin, in-flight window,
+``ready()``). Thread ``w`` runs ``worker_init_fn(w)`` once, then serves its requests on its own
 ``thread_copy()`` of the fetcher when it has one (per-worker state such as a slot's open
-shards; the dataset itself is shared, as threads share memory). At most
-``num_workers * prefetch_factor`` requests are in flight. Threads persist across iterators
-(epochs) unless ``persistent_workers=False``; ``close()`` stops and joins them, and a pool that
-is dropped stops its threads too.
+shards; the dataset itself is shared, as threads share memory). Threads persist across
+iterators (epochs) unless ``persistent_workers=False``; ``close()`` stops and joins them, and
+a pool that is dropped stops its threads too.
 
 Nothing is pickled and nothing crosses a process boundary, so no time goes to inter-process
 transport; threads run in parallel where the work releases the GIL (image decoding, numpy and
@@ -26,15 +21,13 @@ stalled thread is left to finish its fetch on its own (it is a daemon thread, an
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import queue
 import statistics
 import threading
 import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -43,7 +36,13 @@ from torch.utils.data import _utils as torch_data_utils
 
 from lightning_loaders.context import set_samples, set_worker
 from lightning_loaders.engines.autotune import available_cpus
-from lightning_loaders.engines.workers import POLL_S, WorkerLost, WorkerStalled
+from lightning_loaders.engines.pool import (
+    Arrival,
+    PoolIterator,
+    WorkerLost,
+    WorkerStalled,
+    pin_target,
+)
 
 __all__ = [
     "KEEP_THREADS_AT",
@@ -206,13 +205,8 @@ class ThreadPool:
         self.in_order = in_order
         self.persistent_workers = persistent_workers
         self.auto = auto
-        if pin_memory and not torch.accelerator.is_available():
-            warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
-                          "then device pinned memory won't be used.", stacklevel=2)
-        accelerator = torch.accelerator.current_accelerator() if pin_memory else None
-        self._pin: tuple[str, int] | None = None
-        if accelerator is not None and accelerator.type != "mps":
-            self._pin = (accelerator.type, torch.accelerator.current_device_index())
+        device = pin_target(pin_memory)
+        self._pin = (device, torch.accelerator.current_device_index()) if device else None
         self._workers: list[_Worker] | None = None
         self._outbox: queue.SimpleQueue[_Result] = queue.SimpleQueue()
         self._generation = 0
@@ -323,108 +317,55 @@ def _serve(me: ThreadWorker, inbox: queue.SimpleQueue[_Task | None],
         _local.worker = None
 
 
-class _ThreadIterator(Iterator[Any]):
+class _ThreadIterator(PoolIterator):
     """One pass over the pool's requests (see ``ThreadPool``); a newer ``iter()`` on the pool
     replaces it."""
 
     def __init__(self, pool: ThreadPool, generation: int) -> None:
-        self._pool = pool
-        self._generation = generation
-        self._requests = iter(pool.sampler)
-        self._ready: Callable[[], bool] | None = getattr(self._requests, "ready", None)
-        self._limit = pool.num_workers * pool.prefetch_factor
-        self._cycle = itertools.cycle(range(pool.num_workers))
-        self._per_worker = [0] * pool.num_workers
-        self._sent = 0
-        self._received = 0  # the next result to deliver (in_order=True)
-        self._pending: dict[int, tuple[int, bool]] = {}  # sent, not received: (worker, serial)
-        self._done: dict[int, _Result] = {}  # received ahead of their turn (in_order=True)
-        self._exhausted = False
+        super().__init__(pool, generation)
+        self._pool: ThreadPool = pool
+        self._serial: set[int] = set()  # requests sent while ``auto`` measures fetches alone
         self._send()
 
-    def __next__(self) -> Any:
-        pool = self._pool
-        if pool._generation != self._generation:
-            raise RuntimeError("this iterator was replaced by a newer iter() on its pool")
-        auto = pool.auto
+    def _check(self) -> None:
+        super()._check()
+        auto = self._pool.auto
         if auto is not None and auto.backend == "process":
             raise BackendSwitch("process")
-        while True:
-            self._send()
-            result = self._done.pop(self._received, None)
-            if result is None:
-                if not self._pending:  # every request sent was delivered
-                    if not pool.persistent_workers:
-                        pool.close()
-                    raise StopIteration
-                result = self._take()
-                if pool.in_order and result.number != self._received:
-                    self._done[result.number] = result
-                    continue
-            if pool.in_order:
-                self._received += 1
-            self._send()  # keep the threads busy while the caller uses this result
-            data = result.data
-            if isinstance(data, torch_data_utils.ExceptionWrapper):
-                data.reraise()
-            return data
 
-    def _send(self) -> None:
-        """Send requests while fewer than the limit are sent and not delivered (one at a time
-        while ``auto`` measures fetches alone) and the requests are ready."""
-        pool = self._pool
-        workers = pool._workers
+    def _window(self) -> int:
+        auto = self._pool.auto
+        return 1 if auto is not None and auto.serial_phase else self._limit
+
+    def _put(self, worker: int, number: int, request: Any) -> None:
+        workers = self._pool._workers
         assert workers is not None
-        auto = pool.auto
-        while not self._exhausted:
-            serial = auto is not None and auto.serial_phase
-            if len(self._pending) + len(self._done) >= (1 if serial else self._limit):
-                return
-            if self._ready is not None and not self._ready():
-                return
-            try:
-                request = next(self._requests)
-            except StopIteration:
-                self._exhausted = True
-                return
-            w = self._next_worker()
-            workers[w].inbox.put(_Task(self._generation, self._sent, request))
-            self._pending[self._sent] = (w, serial)
-            self._per_worker[w] += 1
-            self._sent += 1
+        auto = self._pool.auto
+        if auto is not None and auto.serial_phase:
+            self._serial.add(number)
+        workers[worker].inbox.put(_Task(self._generation, number, request))
 
-    def _next_worker(self) -> int:
-        """torch's choice: round-robin; with ``in_order=False``, the next worker in the round
-        with fewer than ``prefetch_factor`` requests in hand."""
-        for _ in range(self._pool.num_workers):
-            w = next(self._cycle)
-            if self._pool.in_order or self._per_worker[w] < self._pool.prefetch_factor:
-                return w
-        return w
-
-    def _take(self) -> _Result:
+    def _take(self) -> Arrival:
         """The next result of this iterator's requests, waiting at most ``timeout``."""
         pool = self._pool
-        timeout = pool.timeout
-        deadline = time.monotonic() + timeout if timeout > 0 else None
+        deadline = self._deadline()
         while True:
-            wait = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
             try:
-                result = pool._outbox.get(timeout=max(0.0, wait))
+                result = pool._outbox.get(timeout=self._wait_s(deadline))
             except queue.Empty:
                 self._check_alive()
                 if deadline is not None and time.monotonic() >= deadline:
-                    worker = self._pending[min(self._pending)][0]
+                    worker = self._due_worker()
                     pool._stalled.add(worker)
-                    raise WorkerStalled(worker, os.getpid(), timeout) from None
+                    raise WorkerStalled(worker, os.getpid(), pool.timeout) from None
                 continue
             if result.generation != self._generation:
                 continue  # an abandoned iterator's
-            worker, serial = self._pending.pop(result.number)
-            self._per_worker[worker] -= 1
+            serial = result.number in self._serial
+            self._serial.discard(result.number)
             if pool.auto is not None:
                 pool.auto.record(serial, result.wall_s)
-            return result
+            return Arrival(result.number, result.data)
 
     def _check_alive(self) -> None:
         """A pool thread ends only when stopped; one that ended otherwise is reported as a

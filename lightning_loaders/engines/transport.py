@@ -3,8 +3,8 @@
 torch moves every tensor of a batch from a worker in a fresh shared-memory segment: allocated
 and mapped in the worker, its file descriptor passed over a socket, mapped again in the main
 process (first-touch page faults on both sides), unmapped when the batch dies. ``RingPacker``
-(the worker pool's ``collate_fn``) instead copies the tensors of a worker's result into a free
-slot of that worker's ring of reusable ``/dev/shm`` slots and returns a small ``Packed``
+(what each worker process applies to its results) instead copies the tensors of a result into
+a free slot of that worker's ring of reusable ``/dev/shm`` slots and returns a small ``Packed``
 descriptor (the result pickled with each tensor replaced by its place in the slot).
 ``RingReader`` (main process) copies the tensors out into fresh memory the user owns (pinned
 when ``pin_memory`` is on, saving the pin-memory thread's copy) and frees the slot at once: a
@@ -79,7 +79,7 @@ class Packed:
 
 
 class RingPacker:
-    """The worker pool's ``collate_fn``: in a worker process, the result as a ``Packed`` in a
+    """Applied to each result by a worker process: the result as a ``Packed`` in a
     slot of the worker's ring; in the main process, the result unchanged.
 
     ``slots`` bounds the slots of each worker (the results it may have in flight at once).
@@ -230,7 +230,7 @@ class _Ring:
         pickler = _Pickler(buffer)
         try:
             pickler.dump(result)
-        except Exception:  # torch's path reports it as it always did
+        except Exception:  # pickled whole, torch's way, it reports its own error
             return result
         tensors = pickler.tensors
         if not any(pickler.ring):

@@ -1,254 +1,356 @@
-"""torch's worker processes, watched: a dead or stalled worker is reported where it can be
-handled, by id and pid.
+"""Worker processes: our own worker loop, watched.
 
-torch reports a dead worker from a ``SIGCHLD`` handler, which raises in whatever code the main
-thread runs at that moment (often the training step, where nothing can recover). ``WorkerPool``
-iterators take their workers off that handler and instead check them every ``POLL_S`` seconds
-while waiting for a batch, raising ``WorkerLost`` from the loader's own ``next()``; a
-``timeout`` raises ``WorkerStalled`` naming the worker whose batch is due. A forked worker that
-does not reach torch's worker loop within ``START_S`` is killed and reported as lost too: before
-3.11.8, CPython can fork a child while another thread (gloo's, under DDP) holds the interpreter's
-thread-list lock, and that child waits for it forever (gh-112275). ``shutdown`` stops
-an iterator's workers without leaving shared memory behind. Results that workers packed into
-their shared-memory rings (``transport.RingPacker``) are unpacked as soon as they are received,
-freeing their slots. This relies on private parts of
-``torch.utils.data`` (checked by the tests on every torch upgrade).
+``ProcessPool`` is the process counterpart of ``threads.ThreadPool`` (both iterate as
+``pool.PoolIterator`` says). Each worker has two pipes of its own: requests come in on one,
+results go out on the other, written by the worker itself. torch's worker machinery instead
+passes every request and result through a ``multiprocessing.Queue``, whose feeder thread
+pickles and writes in the background; on a core busy with the work, that thread and its wake-ups
+cost the worker about a tenth of its time, and the main process's feeder as much again
+(``benchmarks/bench_throughput.py``). Results that a worker packed into its shared-memory ring
+(``transport.RingPacker``) are a few hundred bytes; others are pickled with torch's reductions
+(tensors in shared memory), as torch's workers send them.
+
+A worker does what torch's does before its first request: it seeds ``random``, ``torch`` and
+numpy from the pool's base seed, uses one intra-op thread, publishes torch's ``WorkerInfo``
+(``get_worker_info()``) and runs ``worker_init_fn``; an exception there comes back with every
+request, as with torch. It exits when asked, on Ctrl-C, or when its parent is gone.
+
+The main process waits on the result pipes and the workers' exit sentinels together: a worker
+that dies is reported at once as ``WorkerLost`` (id, pid, exit code) from the loader's own
+``next()``, never from a signal handler in the middle of the training step, and ``timeout``
+raises ``WorkerStalled`` naming the worker whose batch is due. A forked worker that does not
+reach its loop within ``START_S`` is killed and reported as lost: before 3.11.8, CPython can
+fork a child while another thread (gloo's, under DDP) holds the interpreter's thread-list lock,
+and that child waits for it forever (gh-112275). ``close()`` stops the workers and leaves no
+shared memory behind.
 """
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
-import queue
+import os
+import random
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader
 from torch.utils.data import _utils as torch_data_utils
-from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+from torch.utils.data._utils import worker as torch_worker
 
-from lightning_loaders.engines.transport import Packed, RingReader
+from lightning_loaders.engines.pool import (
+    Arrival,
+    PoolIterator,
+    WorkerLost,
+    WorkerStalled,
+    pin_target,
+)
+from lightning_loaders.engines.transport import Packed, RingPacker, RingReader
 
-__all__ = ["POLL_S", "START_S", "WorkerLost", "WorkerPool", "WorkerStalled", "shutdown"]
+__all__ = ["DEATH_GRACE_S", "JOIN_S", "PIPE_BYTES", "START_S", "ProcessPool"]
 
-POLL_S = 0.1
-"""Seconds between liveness checks of the workers while the main process waits for a batch."""
 START_S = 10.0
-"""How long a forked worker may take to reach torch's worker loop before it counts as wedged."""
+"""How long a forked worker may take to reach its loop before it counts as wedged."""
 DEATH_GRACE_S = 2.0
-"""How long a failed receive waits for a worker to be seen dead before it counts as an error."""
-DRAIN_S = 2.0
-"""Under the ``file_system`` sharing strategy, how long ``shutdown`` waits for batches in the
-making (so that their shared-memory files are freed, not left until the process exits)."""
+"""How long a broken result pipe waits for its worker to be seen dead before it counts as an
+error of its own."""
+JOIN_S = 5.0
+"""How long ``close()`` waits for a worker to finish the fetch it is in before killing it."""
+WATCH_S = 1.0
+"""How often an idle worker checks that its parent is alive."""
+PIPE_BYTES = 1 << 20
+"""Pipe buffer asked for (Linux): requests and results are written whole without waiting for
+the reader, up to this size."""
 
 
-class WorkerLost(Exception):
-    """Internal: worker processes died, or were killed because they never started.
-    ``workers`` holds ``(worker id, pid, exit code)``; ``reason`` says why, when the exit code
-    does not."""
+class ProcessPool:
+    """Worker processes over ``fetcher`` indexed by ``sampler``'s requests (module docstring).
 
-    def __init__(self, workers: list[tuple[int, int | None, int | None]],
-                 reason: str | None = None) -> None:
-        super().__init__(f"DataLoader workers lost: {workers}" + (f" ({reason})" if reason
-                                                                   else ""))
-        self.workers, self.reason = workers, reason
+    Workers start at the first ``iter()`` and persist across iterators (epochs) unless
+    ``persistent_workers=False``; ``close()`` stops them. ``ring`` sends results through
+    shared-memory rings of ``prefetch_factor + 1`` slots per worker. ``seed`` is the base of
+    the workers' seeds, as torch draws it from a ``DataLoader``'s generator.
+    """
 
+    def __init__(self, fetcher: Any, sampler: Any, *, num_workers: int, seed: int,
+                 prefetch_factor: int | None = None,
+                 worker_init_fn: Callable[[int], None] | None = None, pin_memory: bool = False,
+                 pin_memory_device: str = "", timeout: float = 0, in_order: bool = True,
+                 persistent_workers: bool = True, multiprocessing_context: Any = None,
+                 ring: bool = True) -> None:
+        if num_workers < 1:
+            raise ValueError(f"a ProcessPool needs num_workers >= 1, got {num_workers}")
+        self.fetcher = fetcher
+        self.sampler = sampler
+        self.num_workers = num_workers
+        self.seed = seed
+        self.prefetch_factor = prefetch_factor or 2
+        self.worker_init_fn = worker_init_fn
+        self.pin = pin_target(pin_memory, pin_memory_device)
+        self.timeout = timeout
+        self.in_order = in_order
+        self.persistent_workers = persistent_workers
+        context = multiprocessing_context
+        if context is None or isinstance(context, str):
+            context = multiprocessing.get_context(context)
+        self.context = context
+        self.ring = ring
+        self.workers: list[_Worker] = []
+        self._reader = RingReader()
+        self._generation = 0
+        self._started: Any = None
+        self._stop: Any = None
+        self._start_deadline: float | None = None
 
-class WorkerStalled(Exception):
-    """Internal: no batch within ``timeout``; ``worker``/``pid`` owe the batch due next."""
+    def __iter__(self) -> _ProcessIterator:
+        if self.workers and not self.persistent_workers:
+            self.close()
+        if not self.workers:
+            self._start()
+        self._generation += 1
+        return _ProcessIterator(self, self._generation)
 
-    def __init__(self, worker: int | None, pid: int | None, timeout: float) -> None:
-        super().__init__(f"DataLoader worker {worker} (pid {pid}) stalled for {timeout} s")
-        self.worker, self.pid, self.timeout = worker, pid, timeout
-
-
-class WorkerPool(DataLoader[Any]):
-    """The loader's internal ``DataLoader``: its multi-process iterators are watched. Forked
-    workers mark themselves started (a flag each, in memory shared with them) before the
-    ``worker_init_fn`` they were given."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.started: Any = None
-        context = self.multiprocessing_context or multiprocessing.get_context()
-        if self.num_workers > 0 and context.get_start_method() == "fork":
-            self.started = context.RawArray("b", self.num_workers)
-            self.worker_init_fn = _MarkStarted(self.started, self.worker_init_fn)
-
-    def _get_iterator(self) -> Any:
-        if self.num_workers == 0:
-            return super()._get_iterator()
-        return _WatchedIterator(self)
-
-
-class _WatchedIterator(_MultiProcessingDataLoaderIter):
-    """Watched workers; and a sampler iterator with ``ready()`` (out-of-order delivery)
-    holds requests back until it is ready, so batches never run further ahead of the
-    first undelivered one than the in-flight window."""
-
-    def __init__(self, loader: WorkerPool) -> None:
-        self._ring_reader = RingReader()
-        self._started = loader.started
-        if self._started is not None:
-            self._started[:] = [0] * len(self._started)
-        super().__init__(loader)
-        self._start_deadline = time.monotonic() + START_S if self._started is not None else None
-        if self._worker_pids_set:
-            torch_data_utils.signal_handling._remove_worker_pids(id(self))
-            self._worker_pids_set = False
-
-    def _try_put_index(self) -> None:
-        ready = getattr(self._sampler_iter, "ready", None)
-        if ready is None:
-            super()._try_put_index()
-        elif self._tasks_outstanding < self._prefetch_factor * self._num_workers and ready():
-            super()._try_put_index()
-
-    def _next_data(self) -> Any:
-        """Send what was held back and is ready now, then torch's ``_next_data``."""
-        ready = getattr(self._sampler_iter, "ready", None)
-        limit = self._prefetch_factor * self._num_workers
-        while ready is not None and self._tasks_outstanding < limit and ready():
-            sent = self._send_idx
-            super()._try_put_index()
-            if self._send_idx == sent:
-                break
-        return super()._next_data()
-
-    def _try_get_data(self, timeout: float = torch_data_utils.MP_STATUS_CHECK_INTERVAL
-                      ) -> tuple[bool, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self._start_deadline is not None:
-                self._check_started()
-            wait = min(POLL_S, max(0.0, deadline - time.monotonic()))
+    def close(self) -> None:
+        """Stop the workers: each is asked to exit after the fetch it is in, and killed if it
+        has not within ``JOIN_S``; then the slots of their rings are unlinked."""
+        workers, self.workers = self.workers, []
+        if not workers:
+            return
+        self._stop.value = 1  # requests sent and not started are dropped
+        for worker in workers:
             try:
-                found, data = super()._try_get_data(timeout=wait)
-            except Exception as exc:
-                # torch names dead workers it has seen; a worker killed while its batch was
-                # being received shows as a broken connection first, and as dead just after.
-                dead = self._dead_workers(grace_s=DEATH_GRACE_S)
-                if not dead:
-                    raise
-                raise WorkerLost(dead) from exc
-            if found and isinstance(data, tuple) and isinstance(data[1], Packed):
-                # a dead worker's batches stay readable in its ring (torch's cannot be rebuilt
-                # once their sender is gone): report the death now, as torch's path would
-                dead = self._dead_workers(grace_s=0)
-                if dead:
-                    raise WorkerLost(dead)
-                return found, (data[0], self._ring_reader.unpack(data[1], self._pin_memory))
-            if found or time.monotonic() >= deadline:
-                return found, data
+                worker.requests.send(None)
+            except OSError:  # gone already
+                pass
+        _drain_until_exited(workers, time.monotonic() + JOIN_S)
+        for worker in workers:
+            if worker.process.exitcode is None:
+                worker.process.kill()
+            worker.process.join()
+            worker.requests.close()
+            worker.results.close()
+        self._reader.close([worker.process.pid for worker in workers])
+
+    def __del__(self) -> None:
+        if getattr(self, "workers", None):
+            self.close()
+
+    def _start(self) -> None:
+        started = None
+        if self.context.get_start_method() == "fork":
+            started = self.context.RawArray("b", self.num_workers)
+            self._start_deadline = time.monotonic() + START_S
+        stop = self._stop = self.context.RawValue("b", 0)
+        packer = RingPacker(slots=self.prefetch_factor + 1) if self.ring else None
+        for w in range(self.num_workers):
+            requests_in, requests_out = self.context.Pipe(duplex=False)
+            results_in, results_out = self.context.Pipe(duplex=False)
+            for end in (requests_out, results_out):
+                _widen(end)
+            process = self.context.Process(
+                target=_serve, name=f"lightning_loaders worker {w}", daemon=True,
+                args=(_Setup(w, self.num_workers, self.seed, os.getpid(), started, stop),
+                      self.fetcher, packer, self.worker_init_fn, requests_in, results_out))
+            process.start()
+            requests_in.close()
+            results_out.close()
+            self.workers.append(_Worker(process, requests_out, results_in))
+        self._started = started
 
     def _check_started(self) -> None:
         """Past ``START_S`` after the fork, kill the live workers that have not started, and
         report them lost (the loader restarts its workers from the cursor)."""
-        assert self._start_deadline is not None
+        if self._start_deadline is None:
+            return
         if all(self._started):
             self._start_deadline = None
         elif time.monotonic() > self._start_deadline:
             wedged: list[tuple[int, int | None, int | None]] = [
-                (i, w.pid, None) for i, w in enumerate(self._workers)
-                if not self._started[i] and w.exitcode is None]
+                (w, worker.process.pid, None) for w, worker in enumerate(self.workers)
+                if not self._started[w] and worker.process.exitcode is None]
             if wedged:
-                for i, _, _ in wedged:
-                    self._workers[i].kill()
+                for w, _, _ in wedged:
+                    self.workers[w].process.kill()
                 raise WorkerLost(wedged, f"did not start within {START_S:g} s of its fork and "
                                          "was killed")
 
-    def _dead_workers(self, grace_s: float) -> list[tuple[int, int | None, int | None]]:
+    def _dead(self, grace_s: float = 0.0) -> list[tuple[int, int | None, int | None]]:
         """``(worker id, pid, exit code)`` of the workers that have exited, waiting up to
         ``grace_s`` for one to be seen exiting."""
         deadline = time.monotonic() + grace_s
         while True:
             dead: list[tuple[int, int | None, int | None]] = [
-                (i, w.pid, w.exitcode) for i, w in enumerate(self._workers)
-                if w.exitcode is not None]
+                (w, worker.process.pid, worker.process.exitcode)
+                for w, worker in enumerate(self.workers) if worker.process.exitcode is not None]
             if dead or time.monotonic() >= deadline:
                 return dead
             time.sleep(0.01)
 
-    def _shutdown_workers(self) -> None:
-        """torch's shutdown (also run by ``__del__``), without leaving shared memory behind:
-        under the ``file_system`` sharing strategy every batch a worker made holds a
-        ``/dev/shm`` file until it is received, so batches in the making are awaited (for at
-        most ``DRAIN_S``) and batches sent but not received are read and dropped."""
-        exiting = torch_data_utils.python_exit_status is not False
-        if self._shutdown or exiting:
-            super()._shutdown_workers()
-        else:
-            named = torch.multiprocessing.get_sharing_strategy() == "file_system"
-            if named:
-                _receive_outstanding(self, DRAIN_S)
-            super()._shutdown_workers()
-            if named:
-                _drop_unreceived(self)
-        reader = getattr(self, "_ring_reader", None)
-        if reader is not None:  # the workers have stopped: no slot of theirs is needed
-            reader.close([w.pid for w in getattr(self, "_workers", [])])
 
-    def _get_data(self) -> Any:
-        if self._timeout <= 0:
+class _Worker:
+    """A worker process and the main process's ends of its pipes."""
+
+    def __init__(self, process: Any, requests: Connection, results: Connection) -> None:
+        self.process, self.requests, self.results = process, requests, results
+
+
+class _ProcessIterator(PoolIterator):
+    """One pass over the pool's requests; a newer ``iter()`` on the pool replaces it."""
+
+    def __init__(self, pool: ProcessPool, generation: int) -> None:
+        super().__init__(pool, generation)
+        self._pool: ProcessPool = pool
+        self._send()
+
+    def _put(self, worker: int, number: int, request: Any) -> None:
+        try:
+            self._pool.workers[worker].requests.send((self._generation, number, request))
+        except OSError as exc:  # a dead worker's pipe is closed
+            dead = self._pool._dead(grace_s=DEATH_GRACE_S)
+            if not dead:
+                raise
+            raise WorkerLost(dead) from exc
+
+    def _take(self) -> Arrival:
+        """The next result of this iterator's requests, waiting at most ``timeout``."""
+        pool = self._pool
+        deadline = self._deadline()
+        pipes = [worker.results for worker in pool.workers]
+        sentinels = [worker.process.sentinel for worker in pool.workers]
+        while True:
+            pool._check_started()
+            ready = wait([*pipes, *sentinels], timeout=self._wait_s(deadline))
+            if any(sentinel in ready for sentinel in sentinels):
+                raise WorkerLost(pool._dead(grace_s=DEATH_GRACE_S))
+            for pipe in ready:
+                message = self._receive(pipe)  # type: ignore[arg-type]
+                if message is not None:
+                    return message
+            if deadline is not None and time.monotonic() >= deadline:
+                worker = self._due_worker()
+                raise WorkerStalled(worker, pool.workers[worker].process.pid, pool.timeout)
+
+    def _receive(self, pipe: Connection) -> Arrival | None:
+        """Read one result from ``pipe`` (``None``: an abandoned iterator's), its ring slot
+        freed and its tensors pinned when asked."""
+        pool = self._pool
+        try:
+            generation, number, data = pipe.recv()
+        except Exception as exc:  # a worker killed while it wrote
+            dead = pool._dead(grace_s=DEATH_GRACE_S)
+            if not dead:
+                raise
+            raise WorkerLost(dead) from exc
+        if isinstance(data, Packed):
+            data = pool._reader.unpack(data, pool.pin is not None)
+        elif pool.pin is not None and not isinstance(data, torch_data_utils.ExceptionWrapper):
+            data = torch_data_utils.pin_memory.pin_memory(data, pool.pin)
+        return Arrival(number, data) if generation == self._generation else None
+
+
+# -- worker side -----------------------------------------------------------------------------
+
+
+class _Setup:
+    """What a worker needs to know of itself (pickled to spawned workers)."""
+
+    def __init__(self, worker_id: int, num_workers: int, seed: int, parent: int,
+                 started: Any, stop: Any) -> None:
+        self.worker_id, self.num_workers, self.seed = worker_id, num_workers, seed
+        self.parent, self.started, self.stop = parent, started, stop
+
+
+def _serve(setup: _Setup, fetcher: Any, packer: RingPacker | None,
+           init: Callable[[int], None] | None, requests: Connection,
+           results: Connection) -> None:
+    """A worker process: set up as torch's workers are, then answer each request of
+    ``requests`` on ``results`` until ``None`` or the pool's stop flag (or EOF, Ctrl-C, the
+    parent's death)."""
+    w = setup.worker_id
+    if setup.started is not None:
+        setup.started[w] = 1
+    try:
+        failure = _set_up(setup, fetcher, init)
+        where = f"in DataLoader worker process {w}"
+        while True:
+            while not requests.poll(WATCH_S):
+                if os.getppid() != setup.parent:
+                    return
+            message = requests.recv()
+            if message is None or setup.stop.value:
+                return
+            generation, number, request = message
+            data: Any = failure
+            if data is None:
+                try:
+                    data = fetcher[request]
+                    if packer is not None:
+                        data = packer(data)
+                except Exception:
+                    data = torch_data_utils.ExceptionWrapper(where=where)
             try:
-                return super()._get_data()
-            except RuntimeError as exc:  # the pin-memory thread dies on a batch a killed worker
-                dead = self._dead_workers(grace_s=DEATH_GRACE_S)  # could not finish sending
-                if not dead:
-                    raise
-                raise WorkerLost(dead) from exc
-        found, data = self._try_get_data(self._timeout)
-        if found:
-            return data
-        info = self._task_info.get(self._rcvd_idx)
-        worker = info[0] if info else None
-        pid = self._workers[worker].pid if worker is not None else None
-        raise WorkerStalled(worker, pid, self._timeout)
+                payload = ForkingPickler.dumps((generation, number, data))
+            except Exception:
+                error = torch_data_utils.ExceptionWrapper(where=f"{where}, pickling its result")
+                payload = ForkingPickler.dumps((generation, number, error))
+            del data, request, message
+            results.send_bytes(payload)
+    except (KeyboardInterrupt, EOFError, BrokenPipeError):
+        return  # Ctrl-C reaches every process of the group; the main process stops the pool
 
 
-class _MarkStarted:
-    """``worker_init_fn`` wrapper: sets this worker's flag, then calls ``init_fn``."""
-
-    def __init__(self, started: Any, init_fn: Callable[[int], None] | None) -> None:
-        self.started, self.init_fn = started, init_fn
-
-    def __call__(self, worker_id: int) -> None:
-        self.started[worker_id] = 1
-        if self.init_fn is not None:
-            self.init_fn(worker_id)
-
-
-def shutdown(iterator: Any) -> None:
-    """Stop a torch iterator's worker processes (and pin-memory thread) now, if it has any."""
-    if isinstance(iterator, _MultiProcessingDataLoaderIter):
-        iterator._shutdown_workers()
-
-
-def _receive_outstanding(iterator: _WatchedIterator, limit_s: float) -> None:
-    """Receive (and drop) the batches already asked of live workers, for at most ``limit_s``."""
-    deadline = time.monotonic() + limit_s
-    while iterator._tasks_outstanding > 0 and all(w.is_alive() for w in iterator._workers):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
-        try:
-            found, _ = iterator._try_get_data(timeout=min(left, POLL_S))
-        except Exception:  # a worker died meanwhile: nothing more will come
-            return
-        if found:
-            iterator._tasks_outstanding -= 1
+def _set_up(setup: _Setup, fetcher: Any, init: Callable[[int], None] | None
+            ) -> torch_data_utils.ExceptionWrapper | None:
+    """Seed, publish torch's ``WorkerInfo`` and run ``init`` as torch's workers do; the error
+    ``init`` raised, to answer every request with."""
+    torch.multiprocessing._set_thread_name("pt_data_worker")  # as top and ps show torch's
+    torch_data_utils.signal_handling._set_worker_signal_handlers()
+    torch.set_num_threads(1)
+    w = setup.worker_id
+    seed = setup.seed + w
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(torch_worker._generate_state(setup.seed, w))
+    torch_worker._worker_info = torch_worker.WorkerInfo(
+        id=w, num_workers=setup.num_workers, seed=seed, dataset=fetcher)
+    if init is None:
+        return None
+    try:
+        init(w)
+    except Exception:
+        return torch_data_utils.ExceptionWrapper(where=f"in DataLoader worker process {w}")
+    return None
 
 
-def _drop_unreceived(iterator: _WatchedIterator) -> None:
-    """Read and drop what stopped workers sent but nobody received (only after workers that all
-    exited cleanly: one killed mid-send can leave a cut message that must not be read)."""
-    if iterator._pin_memory or any(w.exitcode != 0 for w in iterator._workers):
-        return
-    while True:
-        try:
-            iterator._worker_result_queue.get(timeout=0)
-        except queue.Empty:
-            return
-        except Exception:  # a batch whose sender is gone cannot be rebuilt: nothing to free
-            continue
+def _widen(pipe: Connection) -> None:
+    """Ask for a ``PIPE_BYTES`` pipe buffer (where the platform allows it)."""
+    try:
+        fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except (AttributeError, OSError):
+        pass
+
+
+def _drain_until_exited(workers: list[_Worker], deadline: float) -> None:
+    """Wait for ``workers`` to exit until ``deadline``, reading and dropping what they send
+    meanwhile (a worker must not stay blocked writing a result nobody reads; results pickled
+    into named shared-memory files are rebuilt, so that their files are freed)."""
+    rebuild = torch.multiprocessing.get_sharing_strategy() == "file_system"
+    live: set[Any] = {worker.process.sentinel for worker in workers}
+    pipes: set[Any] = {worker.results for worker in workers}
+    while live and (left := deadline - time.monotonic()) > 0:
+        ready: Any
+        for ready in wait([*live, *pipes], timeout=left):
+            if ready in live:
+                live.discard(ready)
+                continue
+            try:
+                if rebuild:
+                    ready.recv()
+                else:
+                    ready.recv_bytes()
+            except Exception:  # its writer is gone or was cut off
+                pipes.discard(ready)

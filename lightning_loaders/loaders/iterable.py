@@ -95,8 +95,8 @@ from typing import Any
 from torch.utils.data import Sampler
 
 from lightning_loaders.collectives import agree_min, gather_by_rank
+from lightning_loaders.engines.pool import WorkerLost, WorkerStalled
 from lightning_loaders.engines.shard_reader import SlotFetcher
-from lightning_loaders.engines.workers import WorkerLost, WorkerStalled
 from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.loaders.delivery import EpochSampler
 from lightning_loaders.loaders.options import LoaderOptions

@@ -2,8 +2,8 @@
 whose batch order is a function, and whose state is a cursor.
 
 The order of an epoch is a pure function of ``(seed, epoch, world_size, rank)``; the cursor is
-``(epoch, batches delivered)``, counted when a batch reaches the caller. Workers are torch's own
-(``DataLoader`` machinery), fed with planned batch requests; without workers, and for in-memory
+``(epoch, batches delivered)``, counted when a batch reaches the caller. Workers (processes or
+threads, ``engines``) are fed with planned batch requests; without workers, and for in-memory
 data that workers could only slow down, the same requests are fetched in the main process.
 
 Because the cursor only moves on delivery, every fault is handled by restarting from it: a
@@ -16,12 +16,11 @@ from __future__ import annotations
 import copy
 import logging
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
 from torch.utils.data import (
-    DataLoader,
     IterableDataset,
     RandomSampler,
     Sampler,
@@ -32,8 +31,7 @@ from torch.utils.data import (
 from lightning_loaders.collectives import gather_by_rank
 from lightning_loaders.engines.faults import Failed, Skipped, SkippedSample
 from lightning_loaders.engines.fetch import BatchFetcher, Numbered, Unbatched
-from lightning_loaders.engines.threads import ThreadPool
-from lightning_loaders.engines.workers import WorkerLost, WorkerStalled, shutdown
+from lightning_loaders.engines.pool import WorkerLost, WorkerStalled
 from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.loaders.delivery import SizedEpochSampler
 from lightning_loaders.loaders.out_of_order import (
@@ -247,8 +245,7 @@ class MapStyleLoader(ResumableLoader):
         Nothing is lost: an iterator used after ``close()`` starts new workers and continues
         from the cursor.
         """
-        active, self._active = self._active, None
-        shutdown(active)
+        self._active = None
         super().close()
 
     def _position(self) -> int:
@@ -318,7 +315,7 @@ class MapStyleLoader(ResumableLoader):
 
     def _open(self) -> Iterator[Any]:
         """An iterator over the rest of the epoch from the cursor: fetched in this process when
-        worker processes could only add cost, else by torch's workers (started on first use)."""
+        worker processes could only add cost, else by the workers (started on first use)."""
         fetcher = self._fetcher()
         if self._fetches_in_process(fetcher):
             requests = not_delivered(self.schedule.requests(), frozenset(self._window.ahead))
@@ -378,8 +375,8 @@ class MapStyleLoader(ResumableLoader):
         self._recent_skips.append(len(item.skipped))
         return item.batch
 
-    def _workers(self) -> DataLoader[Any] | ThreadPool:
-        """torch's DataLoader (or the thread pool) over our batch requests (created once,
+    def _workers(self) -> Iterable[Any]:
+        """The worker pool (processes or threads) over our batch requests (created once,
         workers persistent)."""
         fetcher = self._fetcher() if self.in_order else self._fetcher().numbering()
         limit = 0 if self.in_order else self.num_workers * (self.prefetch_factor or 2)

@@ -24,7 +24,7 @@ __all__ = ["BACKENDS", "LoaderOptions", "check_loader_arguments", "check_picklab
            "start_method"]
 
 BACKENDS: tuple[str, ...] = ("process", "thread", "auto")
-"""What ``num_workers`` workers are: torch's worker processes, threads of this process, or
+"""What ``num_workers`` workers are: worker processes, threads of this process, or
 threads measured during the first batches and swapped for processes where those pay more."""
 
 

@@ -1,7 +1,7 @@
-"""``WorkerLoader``: the delivery core plus what the loaders built on torch's worker machinery
-share: ``DataLoader``'s attributes and worker options, the pool of workers (torch's worker
-processes, or ``engines.threads``' worker threads, by ``backend``; persistent, restarted from
-the cursor after a crash), and the crash and stall errors.
+"""``WorkerLoader``: the delivery core plus what the loaders with workers share:
+``DataLoader``'s attributes and worker options, the pool of workers (``engines.workers``'
+processes or ``engines.threads``' threads, by ``backend``; persistent, restarted from the
+cursor after a crash), and the crash and stall errors.
 """
 
 from __future__ import annotations
@@ -12,17 +12,16 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
+from torch.utils.data import Dataset, Sampler, get_worker_info
 from torch.utils.data._utils import worker as torch_worker
 
 from lightning_loaders.context import WorkerInfo, set_worker
 from lightning_loaders.engines.autotune import Autotuner, Setting, Tuning
 from lightning_loaders.engines.faults import Failed, OnError
 from lightning_loaders.engines.fetch import BatchFetcher
+from lightning_loaders.engines.pool import InProcess, WorkerLost, WorkerStalled, pin_target
 from lightning_loaders.engines.threads import AutoChoice, BackendSwitch, ThreadPool, thread_worker
-from lightning_loaders.engines.transport import RingPacker
-from lightning_loaders.engines.workers import WorkerLost, WorkerPool, WorkerStalled, shutdown
+from lightning_loaders.engines.workers import ProcessPool
 from lightning_loaders.errors import (
     WorkerCrashedError,
     WorkerInitError,
@@ -48,7 +47,7 @@ _FIXED = frozenset(("batch_size", "batch_sampler", "sampler", "drop_last", "data
 
 
 class WorkerLoader(DeliveryCore):
-    """Base of the loaders that run torch's worker processes (see the module docstring).
+    """Base of the loaders that run worker pools (see the module docstring).
 
     A subclass calls ``_take_options`` in its constructor, sets ``schedule`` and implements
     the delivery core's hooks and ``_position`` (the batch due next, named in errors).
@@ -115,7 +114,7 @@ class WorkerLoader(DeliveryCore):
         self.seed = resolve_seed(o.seed, o.generator)
         self.on_error: OnError = o.on_error
         self.max_worker_restarts = o.max_worker_restarts
-        self._torch_loader: DataLoader[Any] | ThreadPool | None = None
+        self._pool: ProcessPool | ThreadPool | InProcess | None = None
         self._epoch_restarts = 0
         self.worker_restarts = 0
         """Worker restarts after crashes in this process (all epochs)."""
@@ -154,12 +153,10 @@ class WorkerLoader(DeliveryCore):
         Nothing is lost: an iterator used after ``close()`` starts new workers and continues
         from the cursor.
         """
-        loader, self._torch_loader = self._torch_loader, None
+        pool, self._pool = self._pool, None
         super().close()
-        if isinstance(loader, ThreadPool):
-            loader.close()
-        else:
-            shutdown(getattr(loader, "_iterator", None))
+        if isinstance(pool, ThreadPool | ProcessPool):
+            pool.close()
 
     # -- for subclasses ---------------------------------------------------------------------
 
@@ -195,49 +192,37 @@ class WorkerLoader(DeliveryCore):
         return [f"backend='auto' ({self.backend_in_use or 'measuring'})"]
 
     def _worker_pool(self, fetcher: Dataset[Any], sampler: Sampler[Any],
-                     prefetch_factor: int | None) -> DataLoader[Any] | ThreadPool:
-        """torch's DataLoader over ``fetcher`` indexed by ``sampler``'s requests, or the
-        thread pool that does the same with threads (kept, with persistent workers, until
+                     prefetch_factor: int | None) -> ProcessPool | ThreadPool | InProcess:
+        """The pool that answers ``sampler``'s requests with ``fetcher``: worker processes,
+        threads, or the calling thread without workers (kept, with persistent workers, until
         ``close()``)."""
         if self.backend == "auto" and self._auto is None and self.num_workers > 0:
             self._auto = AutoChoice(self.num_workers)
         threads = self.num_workers > 0 and self.backend_in_use != "process"
-        if self._torch_loader is None and threads:
+        if self._pool is None and threads:
             rank, world_size = self.schedule.placement
-            self._torch_loader = ThreadPool(
+            self._pool = ThreadPool(
                 fetcher, sampler, num_workers=self.num_workers, prefetch_factor=prefetch_factor,
                 worker_init_fn=_WorkerStart(self.worker_init_fn, self.num_workers, rank,
                                             world_size, self.schedule.epoch or 0, self.seed),
                 pin_memory=self.pin_memory, timeout=self.timeout, in_order=self.in_order,
                 persistent_workers=self.persistent_workers,
                 auto=self._auto if self.backend_in_use is None else None)
-        if self._torch_loader is None:
+        if self._pool is None and self.num_workers == 0:
+            self._pool = InProcess(fetcher, sampler,
+                                           pin_target(self.pin_memory, self.pin_memory_device))
+        if self._pool is None:
             rank, world_size = self.schedule.placement
-            extra: dict[str, Any] = {}
-            collate: Callable[[Any], Any] = _passthrough
-            if self.num_workers > 0:
-                if self.shared_ring:
-                    collate = RingPacker(slots=(prefetch_factor or 2) + 1)
-                extra = {"prefetch_factor": prefetch_factor,
-                         "persistent_workers": self.persistent_workers}
-            if self.pin_memory_device:
-                extra["pin_memory_device"] = self.pin_memory_device
-            self._torch_loader = WorkerPool(
-                fetcher,
-                batch_size=None,
-                sampler=sampler,
-                num_workers=self.num_workers,
-                collate_fn=collate,
-                pin_memory=self.pin_memory,
-                timeout=self.timeout,
+            self._pool = ProcessPool(
+                fetcher, sampler, num_workers=self.num_workers, seed=mix64(self.seed, rank) >> 1,
+                prefetch_factor=prefetch_factor,
                 worker_init_fn=_WorkerStart(self.worker_init_fn, self.num_workers, rank,
                                             world_size, self.schedule.epoch or 0, self.seed),
-                multiprocessing_context=self.multiprocessing_context,
-                generator=torch.Generator().manual_seed(mix64(self.seed, rank) >> 1),
-                in_order=self.in_order,
-                **extra,
-            )
-        return self._torch_loader
+                pin_memory=self.pin_memory, pin_memory_device=self.pin_memory_device,
+                timeout=self.timeout, in_order=self.in_order,
+                persistent_workers=self.persistent_workers,
+                multiprocessing_context=self.multiprocessing_context, ring=self.shared_ring)
+        return self._pool
 
     def _recover(self, lost: WorkerLost) -> None:
         """Stop every worker (new ones start from the cursor) and count a restart, or raise
@@ -333,7 +318,3 @@ def _publish_user_dataset(torch_info: Any, dataset: Any) -> None:
         published = type(torch_info)(id=torch_info.id, num_workers=torch_info.num_workers,
                                      seed=torch_info.seed, dataset=dataset)
     torch_worker._worker_info = published
-
-
-def _passthrough(batch: Any) -> Any:
-    return batch

@@ -1,16 +1,16 @@
-"""The thread pool: torch's worker machinery (order, round-robin, in-flight limit, errors,
-timeout, persistence, shutdown) with threads; and the rule ``backend="auto"`` decides by."""
+"""The thread pool's own behaviour (threads named and initialised once, persistence, shutdown,
+a stalled thread left behind; the contract both pools keep is in ``test_pool``); and the rule
+``backend="auto"`` decides by."""
 
 from __future__ import annotations
 
 import gc
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
+from lightning_loaders.engines.pool import WorkerStalled
 from lightning_loaders.engines.threads import (
     KEEP_THREADS_AT,
     MIN_SPAN_S,
@@ -20,7 +20,6 @@ from lightning_loaders.engines.threads import (
     choose_backend,
     thread_worker,
 )
-from lightning_loaders.engines.workers import WorkerStalled
 
 
 class Recorder:
@@ -46,83 +45,8 @@ class Recorder:
                 self.running -= 1
 
 
-class Taken:
-    """A sampler that counts the requests taken from it."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.taken = 0
-
-    def __iter__(self) -> Iterator[int]:
-        for r in range(self.n):
-            self.taken += 1
-            yield r
-
-
 def pool_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("lightning_loaders worker")]
-
-
-@pytest.mark.parametrize("workers", [1, 2, 3])
-def test_results_come_in_request_order_from_round_robin_threads(workers: int) -> None:
-    pool = ThreadPool(Recorder(), range(20), num_workers=workers)
-    got = list(pool)
-    assert [r for r, _ in got] == list(range(20))
-    assert [w for _, w in got] == [r % workers for r in range(20)]  # torch's round-robin
-    pool.close()
-
-
-def test_requests_in_flight_stay_within_workers_times_prefetch_factor() -> None:
-    sampler = Taken(40)
-    pool = ThreadPool(Recorder(0.002), sampler, num_workers=3, prefetch_factor=2)
-    delivered = 0
-    for _ in pool:
-        delivered += 1
-        assert sampler.taken - delivered <= 3 * 2
-    assert delivered == 40
-    pool.close()
-
-
-class Windowed:
-    """Requests with ``ready()``: only while fewer than ``limit`` are taken and undelivered."""
-
-    def __init__(self, n: int, limit: int) -> None:
-        self.it = iter(range(n))
-        self.limit = limit
-        self.taken = 0
-        self.delivered = 0
-
-    def __iter__(self) -> Windowed:
-        return self
-
-    def __next__(self) -> int:
-        r = next(self.it)
-        self.taken += 1
-        return r
-
-    def ready(self) -> bool:
-        return self.taken - self.delivered < self.limit
-
-
-def test_out_of_order_delivers_every_result_and_honours_ready() -> None:
-    window = Windowed(30, limit=2)
-    pool = ThreadPool(Recorder(0.002), [], num_workers=3, in_order=False)
-    pool.sampler = _Once(window)
-    seen = []
-    for r, _ in pool:
-        seen.append(r)
-        window.delivered += 1
-        assert window.taken - window.delivered <= 2
-    assert sorted(seen) == list(range(30))
-    pool.close()
-
-
-class _Once:
-    def __init__(self, it: Any) -> None:
-        self.it = it
-
-    def __iter__(self) -> Any:
-        return self.it
 
 
 def test_worker_init_fn_runs_once_in_each_thread() -> None:
@@ -139,35 +63,6 @@ def test_worker_init_fn_runs_once_in_each_thread() -> None:
     assert sorted(calls) == [(w, w, f"lightning_loaders worker {w}") for w in range(3)]
 
 
-class Fails:
-    def __getitem__(self, request: int) -> int:
-        if request == 4:
-            raise KeyError(f"no sample {request}")
-        return request
-
-
-def test_an_exception_reaches_the_caller_as_from_a_worker_process() -> None:
-    pool = ThreadPool(Fails(), range(8), num_workers=2)
-    it = iter(pool)
-    assert [next(it) for _ in range(4)] == [0, 1, 2, 3]
-    with pytest.raises(KeyError, match="Caught KeyError in DataLoader worker thread 0"):
-        next(it)
-    pool.close()
-
-
-def test_a_failing_worker_init_fn_fails_that_threads_requests() -> None:
-    def init(worker_id: int) -> None:
-        if worker_id == 1:
-            raise RuntimeError("no device")
-
-    pool = ThreadPool(Recorder(), range(4), num_workers=2, worker_init_fn=init)
-    it = iter(pool)
-    assert next(it) == (0, 0)
-    with pytest.raises(RuntimeError, match="no device"):
-        next(it)
-    pool.close()
-
-
 class Hangs:
     def __init__(self) -> None:
         self.release = threading.Event()
@@ -178,7 +73,7 @@ class Hangs:
         return request
 
 
-def test_timeout_names_the_worker_whose_request_is_late() -> None:
+def test_close_leaves_a_stalled_thread_to_finish_on_its_own() -> None:
     fetcher = Hangs()
     pool = ThreadPool(fetcher, range(6), num_workers=2, timeout=0.3)
     it = iter(pool)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import random
 import signal
 import threading
 import time
@@ -14,12 +15,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import pytest
 import torch
 
 from lightning_loaders import ResumableLoader, sample_context, worker_info
 from lightning_loaders.engines import workers
+from lightning_loaders.engines.pool import WorkerLost
 from lightning_loaders.errors import WorkerCrashedError, WorkerTimeoutError
 from lightning_loaders.sources.shards import SequenceSource
 from lightning_loaders.testing import run_epochs
@@ -53,6 +56,103 @@ def _assert_all_gone(processes: list[psutil.Process], timeout: float = 20) -> No
 def _reference(n: int, epochs: int, **kwargs) -> list[list[list[int]]]:
     loader = ResumableLoader(IndexDataset(n), batch_size=4, shuffle=True, seed=6, **kwargs)
     return run_epochs(loader, range(epochs), key=indices)
+
+
+# -- the process pool itself ---------------------------------------------------------------
+
+
+class WorkerSeeds:
+    """``fetcher[r]``: torch's ``WorkerInfo`` fields and a draw of each global RNG."""
+
+    def __getitem__(self, request: int) -> tuple[Any, ...]:
+        info = torch.utils.data.get_worker_info()
+        assert info is not None and info.dataset is self  # the worker's copy
+        return (info.id, info.num_workers, info.seed, random.random(),
+                float(np.random.rand()), float(torch.rand(())), torch.get_num_threads())
+
+
+def test_workers_are_set_up_as_torchs_are() -> None:
+    pool = workers.ProcessPool(WorkerSeeds(), range(2), num_workers=2, seed=1000)
+    first, second = list(pool)
+    pool.close()
+    assert first[:3] == (0, 2, 1000) and second[:3] == (1, 2, 1001)  # base seed + worker id
+    assert first[6] == second[6] == 1  # one intra-op thread, as in torch's workers
+    for draws in zip(first[3:6], second[3:6], strict=True):  # each worker seeded differently
+        assert draws[0] != draws[1]
+    again = workers.ProcessPool(WorkerSeeds(), range(2), num_workers=2, seed=1000)
+    assert list(again) == [first, second]  # the same seeds again
+    again.close()
+
+
+class Slow:
+    """``fetcher[r]`` takes ``delay`` s and appends ``r`` to ``log`` (a file)."""
+
+    def __init__(self, log: Path, delay: float) -> None:
+        self.log, self.delay = log, delay
+
+    def __getitem__(self, request: int) -> int:
+        time.sleep(self.delay)
+        with self.log.open("a") as out:
+            out.write(f"{request}\n")
+        return request
+
+
+def test_close_drops_the_requests_no_worker_started(tmp_path) -> None:
+    log = tmp_path / "fetched.txt"
+    pool = workers.ProcessPool(Slow(log, 0.5), range(100), num_workers=2, prefetch_factor=4,
+                               seed=0)
+    it = iter(pool)
+    assert next(it) == 0
+    pool.close()
+    fetched = log.read_text().split()
+    assert len(fetched) <= 4, fetched  # 0, and at most the one each worker was in
+    assert loader_processes() == []
+
+
+def test_a_killed_worker_is_reported_lost_with_its_exit() -> None:
+    pool = workers.ProcessPool(Slow(Path(os.devnull), 0.05), range(20), num_workers=2, seed=0)
+    it = iter(pool)
+    assert next(it) == 0
+    victim = pool.workers[1].process
+    os.kill(victim.pid, signal.SIGKILL)
+    with pytest.raises(WorkerLost) as caught:
+        list(it)
+    assert caught.value.workers == [(1, victim.pid, -signal.SIGKILL)]
+    pool.close()
+    assert loader_processes() == []
+
+
+def test_a_result_that_cannot_be_pickled_is_an_error_naming_the_worker() -> None:
+    class Unpicklable:
+        def __getitem__(self, request: int) -> Any:
+            return lambda: request
+
+    pool = workers.ProcessPool(Unpicklable(), range(2), num_workers=1, seed=0)
+    with pytest.raises(Exception, match="in DataLoader worker process 0, pickling its result"):
+        next(iter(pool))
+    pool.close()
+
+
+def _pool_then_wait(log: Path) -> None:
+    pool = workers.ProcessPool(Slow(log, 0.0), range(4), num_workers=2, seed=0)
+    assert len(list(pool)) == 4
+    log.write_text(" ".join(str(w.process.pid) for w in pool.workers))
+    threading.Event().wait()
+
+
+def test_workers_exit_when_their_parent_is_killed(tmp_path) -> None:
+    log = tmp_path / "pids.txt"
+    parent = multiprocessing.get_context("fork").Process(target=_pool_then_wait, args=(log,))
+    parent.start()
+    deadline = time.monotonic() + 30
+    while not log.exists() or not log.read_text().startswith(tuple("123456789")):
+        assert time.monotonic() < deadline and parent.is_alive()
+        time.sleep(0.05)
+    pids = [int(pid) for pid in log.read_text().split()]
+    children = [psutil.Process(pid) for pid in pids]
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.join()
+    _assert_all_gone(children)
 
 
 # -- crash recovery ------------------------------------------------------------------------

@@ -274,7 +274,7 @@ def test_fetching_in_process_does_not_hand_the_loaders_seed_to_the_training_loop
 
 
 def test_worker_init_fn_gets_an_int_with_rich_info() -> None:
-    # A failed assertion in worker_init_fn is re-raised here by torch's worker machinery.
+    # A failed assertion in worker_init_fn is re-raised here by the worker pool.
     loader = ResumableLoader(IndexDataset(8), batch_size=2, num_workers=2, seed=11,
                              worker_init_fn=_check_worker_init)
     assert sum(len(indices(b)) for b in loader) == 8

@@ -1,0 +1,214 @@
+"""What a worker pool's iterator does whatever its workers are (threads or processes).
+
+A pool stands where ``DataLoader(fetcher, sampler=requests, batch_size=None,
+num_workers=N)`` stands: it iterates the requests, has its ``N`` workers run
+``fetcher[request]`` and delivers the results in request order, or, with ``in_order=False``,
+as they finish. ``PoolIterator`` is that pass: torch's round-robin (worker ``w`` gets requests
+``w``, ``w + N``, ... in order; out of order, the next worker in the round with fewer than
+``prefetch_factor`` in hand), at most ``num_workers * prefetch_factor`` requests in flight,
+requests held back while the requests iterator's ``ready()`` says so (out-of-order delivery
+never runs further ahead of the first undelivered batch than the in-flight window), and a
+worker's exception re-raised in the caller (torch's ``ExceptionWrapper``). Subclasses move
+the requests and results (``_put``, ``_take``).
+
+``WorkerLost`` and ``WorkerStalled`` are how a pool reports dead and late workers to the
+loader, which restarts them from the cursor or raises its timeout error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple, Protocol
+
+import torch
+from torch.utils.data import _utils as torch_data_utils
+
+__all__ = ["POLL_S", "Arrival", "InProcess", "PoolIterator", "WorkerLost", "WorkerStalled",
+           "pin_target"]
+
+POLL_S = 0.1
+"""Seconds between liveness checks of the workers while the main process waits for a batch."""
+
+
+class WorkerLost(Exception):
+    """Internal: workers died, or were killed because they never started. ``workers`` holds
+    ``(worker id, pid, exit code)``; ``reason`` says why, when the exit code does not."""
+
+    def __init__(self, workers: list[tuple[int, int | None, int | None]],
+                 reason: str | None = None) -> None:
+        super().__init__(f"DataLoader workers lost: {workers}" + (f" ({reason})" if reason
+                                                                   else ""))
+        self.workers, self.reason = workers, reason
+
+
+class WorkerStalled(Exception):
+    """Internal: no batch within ``timeout``; ``worker``/``pid`` owe the batch due next."""
+
+    def __init__(self, worker: int | None, pid: int | None, timeout: float) -> None:
+        super().__init__(f"DataLoader worker {worker} (pid {pid}) stalled for {timeout} s")
+        self.worker, self.pid, self.timeout = worker, pid, timeout
+
+
+class Arrival(NamedTuple):
+    """A result as it reaches the main process: the number of its request and the data."""
+
+    number: int
+    data: Any
+
+
+def pin_target(pin_memory: bool, device: str = "") -> str | None:
+    """The device type whose pinned memory batches go to (``None``: no pinning), warning as
+    ``DataLoader`` does when ``pin_memory`` is asked for without an accelerator."""
+    if not pin_memory:
+        return None
+    if not torch.accelerator.is_available():
+        warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
+                      "then device pinned memory won't be used.", stacklevel=3)
+        return None
+    accelerator = torch.accelerator.current_accelerator()
+    if device:
+        return device
+    return None if accelerator is None or accelerator.type == "mps" else accelerator.type
+
+
+class Pool(Protocol):
+    """What a ``PoolIterator`` reads of its pool."""
+
+    sampler: Iterable[Any]
+    num_workers: int
+    prefetch_factor: int
+    in_order: bool
+    persistent_workers: bool
+    timeout: float
+    _generation: int
+
+    def close(self) -> None: ...
+
+
+class PoolIterator(Iterator[Any]):
+    """One pass over a pool's requests (see the module docstring); a newer ``iter()`` on the
+    pool (its ``_generation``) replaces it."""
+
+    def __init__(self, pool: Pool, generation: int) -> None:
+        self._pool = pool
+        self._generation = generation
+        self._requests = iter(pool.sampler)
+        self._ready: Callable[[], bool] | None = getattr(self._requests, "ready", None)
+        num_workers, self._prefetch = pool.num_workers, pool.prefetch_factor
+        self._num_workers, self._in_order = num_workers, pool.in_order
+        self._limit = num_workers * self._prefetch
+        self._cycle = itertools.cycle(range(num_workers))
+        self._per_worker = [0] * num_workers
+        self._sent = 0
+        self._received = 0  # the next result to deliver (in_order=True)
+        self._pending: dict[int, int] = {}  # sent, not received: the worker
+        self._done: dict[int, Arrival] = {}  # received ahead of their turn (in_order=True)
+        self._exhausted = False
+
+    def __next__(self) -> Any:
+        self._check()
+        while True:
+            self._send()
+            arrival = self._done.pop(self._received, None)
+            if arrival is None:
+                if not self._pending:  # every request sent was delivered
+                    self._finished()
+                    raise StopIteration
+                arrival = self._take()
+                worker = self._pending.pop(arrival.number)
+                self._per_worker[worker] -= 1
+                if self._in_order and arrival.number != self._received:
+                    self._done[arrival.number] = arrival
+                    continue
+            if self._in_order:
+                self._received += 1
+            self._send()  # keep the workers busy while the caller uses this result
+            data = arrival.data
+            if isinstance(data, torch_data_utils.ExceptionWrapper):
+                data.reraise()
+            return data
+
+    # -- for subclasses ---------------------------------------------------------------------
+
+    def _check(self) -> None:
+        """Raise if this iterator may not go on (called at every ``next()``)."""
+        if self._pool._generation != self._generation:
+            raise RuntimeError("this iterator was replaced by a newer iter() on its pool")
+
+    def _window(self) -> int:
+        """How many requests may be sent and not delivered now."""
+        return self._limit
+
+    def _put(self, worker: int, number: int, request: Any) -> None:
+        """Hand request ``number`` to ``worker``."""
+        raise NotImplementedError
+
+    def _take(self) -> Arrival:
+        """The next result of this iterator's requests to reach the main process."""
+        raise NotImplementedError
+
+    def _finished(self) -> None:
+        """Every request was delivered: workers that do not persist stop."""
+        if not self._pool.persistent_workers:
+            self._pool.close()
+
+    def _deadline(self) -> float | None:
+        """When a result asked for now is late (``None``: never)."""
+        timeout = self._pool.timeout
+        return time.monotonic() + timeout if timeout > 0 else None
+
+    @staticmethod
+    def _wait_s(deadline: float | None) -> float:
+        """How long to wait for a result before looking at the workers again."""
+        return POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
+
+    def _due_worker(self) -> int:
+        """The worker whose result is awaited longest (named when it is late)."""
+        return self._pending[min(self._pending)]
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def _send(self) -> None:
+        """Send requests while fewer than ``_window()`` are sent and not delivered and the
+        requests are ready."""
+        while not self._exhausted:
+            if len(self._pending) + len(self._done) >= self._window():
+                return
+            if self._ready is not None and not self._ready():
+                return
+            try:
+                request = next(self._requests)
+            except StopIteration:
+                self._exhausted = True
+                return
+            worker = self._next_worker()
+            self._put(worker, self._sent, request)
+            self._pending[self._sent] = worker
+            self._per_worker[worker] += 1
+            self._sent += 1
+
+    def _next_worker(self) -> int:
+        """torch's choice: round-robin; with ``in_order=False``, the next worker in the round
+        with fewer than ``prefetch_factor`` requests in hand."""
+        for _ in range(self._num_workers):
+            w = next(self._cycle)
+            if self._in_order or self._per_worker[w] < self._prefetch:
+                return w
+        return w
+
+
+class InProcess:
+    """What a pool does without workers: each request is fetched in the calling thread when
+    its result is asked for (pinned when ``pin`` names a device)."""
+
+    def __init__(self, fetcher: Any, sampler: Iterable[Any], pin: str | None) -> None:
+        self.fetcher, self.sampler, self.pin = fetcher, sampler, pin
+
+    def __iter__(self) -> Iterator[Any]:
+        fetcher, pin = self.fetcher, self.pin
+        for request in self.sampler:
+            data = fetcher[request]
+            yield data if pin is None else torch_data_utils.pin_memory.pin_memory(data, pin)

@@ -1,0 +1,199 @@
+"""Both worker pools keep torch's worker contract: results in request order from round-robin
+workers, at most ``num_workers * prefetch_factor`` requests in flight, out-of-order delivery
+held to ``ready()``, a worker's exception re-raised with its type, a failing
+``worker_init_fn`` failing that worker's requests, and a late worker named."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from torch.utils.data import get_worker_info
+
+from lightning_loaders.engines.pool import InProcess, WorkerStalled
+from lightning_loaders.engines.threads import ThreadPool, thread_worker
+from lightning_loaders.engines.workers import ProcessPool
+
+
+def worker_id() -> int:
+    """The id of the worker running this, thread or process."""
+    info = thread_worker() or get_worker_info()
+    assert info is not None
+    return info.id
+
+
+class Recorder:
+    """``fetcher[r]`` is ``(r, the worker's id)``, after ``delay`` seconds."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+
+    def __getitem__(self, request: int) -> tuple[int, int]:
+        time.sleep(self.delay)
+        return request, worker_id()
+
+
+def make_pool(kind: str, fetcher: Any, sampler: Any, **kwargs: Any) -> ThreadPool | ProcessPool:
+    if kind == "thread":
+        return ThreadPool(fetcher, sampler, **kwargs)
+    return ProcessPool(fetcher, sampler, seed=7, **kwargs)
+
+
+KINDS = ["thread", "process"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("workers", [1, 3])
+def test_results_come_in_request_order_from_round_robin_workers(kind: str, workers: int) -> None:
+    pool = make_pool(kind, Recorder(), range(20), num_workers=workers)
+    for _ in range(2):  # a second iterator over the same (persistent) workers
+        got = list(pool)
+        assert [r for r, _ in got] == list(range(20))
+        assert [w for _, w in got] == [r % workers for r in range(20)]  # torch's round-robin
+    pool.close()
+
+
+class Taken:
+    """A sampler that counts the requests taken from it."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.taken = 0
+
+    def __iter__(self) -> Iterator[int]:
+        for r in range(self.n):
+            self.taken += 1
+            yield r
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_requests_in_flight_stay_within_workers_times_prefetch_factor(kind: str) -> None:
+    sampler = Taken(40)
+    pool = make_pool(kind, Recorder(0.002), sampler, num_workers=3, prefetch_factor=2)
+    delivered = 0
+    for _ in pool:
+        delivered += 1
+        assert sampler.taken - delivered <= 3 * 2
+    assert delivered == 40
+    pool.close()
+
+
+class Windowed:
+    """Requests with ``ready()``: only while fewer than ``limit`` are taken and undelivered."""
+
+    def __init__(self, n: int, limit: int) -> None:
+        self.it = iter(range(n))
+        self.limit = limit
+        self.taken = 0
+        self.delivered = 0
+
+    def __iter__(self) -> Windowed:
+        return self
+
+    def __next__(self) -> int:
+        r = next(self.it)
+        self.taken += 1
+        return r
+
+    def ready(self) -> bool:
+        return self.taken - self.delivered < self.limit
+
+
+class Once:
+    def __init__(self, it: Any) -> None:
+        self.it = it
+
+    def __iter__(self) -> Any:
+        return self.it
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_out_of_order_delivers_every_result_and_honours_ready(kind: str) -> None:
+    window = Windowed(30, limit=2)
+    pool = make_pool(kind, Recorder(0.002), Once(window), num_workers=3, in_order=False)
+    seen = []
+    for r, _ in pool:
+        seen.append(r)
+        window.delivered += 1
+        assert window.taken - window.delivered <= 2
+    assert sorted(seen) == list(range(30))
+    pool.close()
+
+
+class Fails:
+    def __getitem__(self, request: int) -> int:
+        if request == 4:
+            raise KeyError(f"no sample {request}")
+        return request
+
+
+@pytest.mark.parametrize(("kind", "where"), [("thread", "thread"), ("process", "process")])
+def test_an_exception_reaches_the_caller_with_its_type_and_worker(kind: str, where: str) -> None:
+    pool = make_pool(kind, Fails(), range(8), num_workers=2)
+    it = iter(pool)
+    assert [next(it) for _ in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(KeyError, match=f"Caught KeyError in DataLoader worker {where} 0"):
+        next(it)
+    pool.close()
+
+
+def fail_in_worker_one(worker: int) -> None:
+    if worker == 1:
+        raise RuntimeError("no device")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_failing_worker_init_fn_fails_that_workers_requests(kind: str) -> None:
+    pool = make_pool(kind, Recorder(), range(4), num_workers=2,
+                     worker_init_fn=fail_in_worker_one)
+    it = iter(pool)
+    assert next(it) == (0, 0)
+    with pytest.raises(RuntimeError, match="no device"):
+        next(it)
+    pool.close()
+
+
+class HangsOnThree:
+    def __getitem__(self, request: int) -> int:
+        if request == 3:
+            time.sleep(1)
+        return request
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_timeout_names_the_worker_whose_request_is_late(kind: str) -> None:
+    pool = make_pool(kind, HangsOnThree(), range(6), num_workers=2, timeout=0.3)
+    it = iter(pool)
+    assert [next(it) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(WorkerStalled) as caught:
+        next(it)
+    assert caught.value.worker == 1 and caught.value.timeout == 0.3
+    if isinstance(pool, ProcessPool):
+        assert caught.value.pid == pool.workers[1].process.pid
+    pool.close()
+
+
+def test_in_process_fetches_each_request_when_asked() -> None:
+    fetched: list[int] = []
+
+    class Logs:
+        def __getitem__(self, request: int) -> int:
+            fetched.append(request)
+            return request * 2
+
+    it = iter(InProcess(Logs(), range(5), pin=None))
+    assert next(it) == 0 and fetched == [0]  # nothing fetched ahead
+    assert list(it) == [2, 4, 6, 8]
+
+
+def test_pools_start_no_thread_in_the_main_process_for_processes() -> None:
+    before = {t.ident for t in threading.enumerate()}
+    pool = ProcessPool(Recorder(), range(6), num_workers=2, seed=7)
+    assert [r for r, _ in pool] == list(range(6))
+    assert {t.ident for t in threading.enumerate()} == before  # no feeder or pin thread
+    assert all(worker.process.pid != os.getpid() for worker in pool.workers)
+    pool.close()
