@@ -27,11 +27,13 @@ shared memory behind.
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import multiprocessing
 import os
 import random
 import time
+import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
@@ -111,6 +113,7 @@ class ProcessPool:
             self.close()
         if not self.workers:
             self._start()
+            _LIVE.add(self)
         self._generation += 1
         return _ProcessIterator(self, self._generation)
 
@@ -120,6 +123,7 @@ class ProcessPool:
         workers, self.workers = self.workers, []
         if not workers:
             return
+        _LIVE.discard(self)
         self._stop.value = 1  # requests sent and not started are dropped
         for worker in workers:
             try:
@@ -189,6 +193,17 @@ class ProcessPool:
             if dead or time.monotonic() >= deadline:
                 return dead
             time.sleep(0.01)
+
+
+_LIVE: weakref.WeakSet[ProcessPool] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_pools() -> None:
+    """Stop the pools still running when the interpreter exits, while the modules that
+    ``close()`` needs are still there (``__del__`` may run after they are torn down)."""
+    for pool in list(_LIVE):
+        pool.close()
 
 
 class _Worker:

@@ -222,6 +222,32 @@ def test_workers_unlink_their_slots_when_the_main_process_is_killed() -> None:
     assert ring_files(main) == []
 
 
+_EXITS_MID_EPOCH = textwrap.dedent("""
+    import os
+    import psutil
+    from lightning_loaders import ResumableLoader
+    from tests.engines.test_transport import Samples, _collate
+
+    loader = ResumableLoader(Samples(90), batch_size=3, num_workers=2, collate_fn=_collate)
+    iterator = iter(loader)
+    next(iterator)
+    workers = [child.pid for child in psutil.Process().children()]
+    print(" ".join(str(p) for p in [os.getpid(), *workers]), flush=True)
+""")
+
+
+@needs_shm
+def test_an_interpreter_that_exits_mid_epoch_stops_its_workers_cleanly() -> None:
+    done = subprocess.run([sys.executable, "-c", _EXITS_MID_EPOCH], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Exception ignored" not in done.stderr, done.stderr[-3000:]
+    main, *workers = map(int, done.stdout.split())
+    assert len(workers) == 2
+    assert not any(_alive(pid) for pid in workers)
+    assert ring_files(main) == []
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
