@@ -44,15 +44,17 @@ def loader_processes() -> list[psutil.Process]:
     """Live child processes that a loader could have started.
 
     Leaves out helpers that are not a loader's and live as long as the test process: torch's
-    shared-memory manager and Python's multiprocessing resource tracker (started by the first
-    shared-memory segment, e.g. FFCV's writer), and zombies already gone.
+    shared-memory manager, Python's multiprocessing resource tracker (started by the first
+    shared-memory segment, e.g. FFCV's writer) and fork server (started by the first
+    ``forkserver`` process), and zombies already gone.
     """
     found = []
     for child in psutil.Process().children(recursive=True):
         try:
             if child.status() == psutil.STATUS_ZOMBIE or child.name() == "torch_shm_manager":
                 continue
-            if any("resource_tracker" in part for part in child.cmdline()):
+            if any("resource_tracker" in part or "forkserver" in part
+                   for part in child.cmdline()):
                 continue
         except psutil.NoSuchProcess:
             continue

@@ -74,8 +74,8 @@ class ProcessPool:
 
     Workers start at the first ``iter()`` and persist across iterators (epochs) unless
     ``persistent_workers=False``; ``close()`` stops them. ``ring`` sends results through
-    shared-memory rings of ``prefetch_factor + 1`` slots per worker. ``seed`` is the base of
-    the workers' seeds, as torch draws it from a ``DataLoader``'s generator.
+    shared-memory rings of ``prefetch_factor + 1`` slots per worker. ``seed`` is the workers'
+    base seed: worker ``w`` seeds its RNGs from ``seed + w``, as torch's workers do.
     """
 
     def __init__(self, fetcher: Any, sampler: Any, *, num_workers: int, seed: int,

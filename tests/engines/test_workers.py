@@ -133,6 +133,18 @@ def test_a_result_that_cannot_be_pickled_is_an_error_naming_the_worker() -> None
     pool.close()
 
 
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+@pytest.mark.parametrize("ring", [True, False])
+def test_workers_started_by_any_method_deliver_the_same_stream(method: str, ring: bool) -> None:
+    loader = ResumableLoader(IndexDataset(24), batch_size=4, num_workers=2, shuffle=True, seed=6,
+                             multiprocessing_context=method)
+    loader.shared_ring = ring
+    expected = _reference(24, 1, num_workers=0)[0]
+    assert [indices(batch) for batch in loader] == expected
+    loader.close()
+    assert loader_processes() == []
+
+
 def _pool_then_wait(log: Path) -> None:
     pool = workers.ProcessPool(Slow(log, 0.0), range(4), num_workers=2, seed=0)
     assert len(list(pool)) == 4
