@@ -1,7 +1,7 @@
 """Worker side: turn one planned batch request into a collated batch.
 
-The loader feeds torch's ``DataLoader`` machinery (processes, shared memory, pin-memory thread)
-with ``BatchRequest`` objects instead of indices; ``BatchFetcher`` is the dataset those workers
+The loader feeds its worker pool (``engines.workers``, ``engines.threads``) with
+``BatchRequest`` objects instead of indices; ``BatchFetcher`` is the dataset those workers
 index (or the loader calls itself, when batches are fetched in the main process). It seeds the
 global RNGs per batch, exposes the per-sample context, takes the fastest fetch path the dataset
 allows, and names the failing sample when user code raises.

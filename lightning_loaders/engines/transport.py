@@ -7,7 +7,7 @@ process (first-touch page faults on both sides), unmapped when the batch dies. `
 a free slot of that worker's ring of reusable ``/dev/shm`` slots and returns a small ``Packed``
 descriptor (the result pickled with each tensor replaced by its place in the slot).
 ``RingReader`` (main process) copies the tensors out into fresh memory the user owns (pinned
-when ``pin_memory`` is on, saving the pin-memory thread's copy) and frees the slot at once: a
+when ``pin_memory`` is on, saving a separate pinning copy) and frees the slot at once: a
 delivered batch never aliases ring memory, and may be kept as long as one likes.
 
 A slot is sized by the first result it carries and replaced by a larger one when a result does

@@ -341,7 +341,7 @@ class MapStyleLoader(ResumableLoader):
     def _fetches_in_process(self, fetcher: BatchFetcher) -> bool:
         """Without workers, or for in-memory data with no ``worker_init_fn``: a batch is then
         one vectorised gather, far cheaper than sending it from a worker process. Pinned
-        batches go through torch's machinery, which pins them in a thread."""
+        batches go through the worker pool, which pins them as they arrive."""
         if self.pin_memory:
             return False
         return self.num_workers == 0 or (fetcher.in_memory and self.worker_init_fn is None)
