@@ -86,6 +86,18 @@ def _wait_for_step(log: Path, step: int, pid: int) -> bool:
         time.sleep(0.005)
 
 
+def _worker_kill_step(resume: int, steps_per_epoch: int) -> int:
+    """The first step after ``resume`` at which the child may pause while one of its workers
+    is killed. Past the paused step, Lightning holds one batch and ``IN_FLIGHT`` are requested;
+    when two more follow in the epoch, each worker still owes one nobody asked for yet, so the
+    loader must miss the dead worker (one done with its epoch is shut down with it, unnoticed:
+    no restart is due)."""
+    step = resume + 1
+    while step % steps_per_epoch + 1 + IN_FLIGHT + 2 >= steps_per_epoch:
+        step += 1
+    return step
+
+
 def _wait_for_output(path: Path, text: str, pid: int, timeout: float = 60) -> None:
     """Wait until the child wrote ``text`` to its output, exited, or ``timeout`` passed."""
     deadline = time.monotonic() + timeout
@@ -195,20 +207,20 @@ def _chaos_run(zygote: TrainingZygote, kind: str, root: Path, steps_per_epoch: i
             # far enough from the end that a fast run cannot finish before the kill lands
             target = min(resume + rng.randint(0, 2 * gap), total - KILL_MARGIN)
             target = next((b for b in boundaries if resume <= b <= target), target)
-        # Now and then kill a DataLoader worker instead, early enough in a long attempt that
-        # the loader must notice and recover before the training process is killed itself.
-        # The child pauses at its second step for it. Past the paused step, Lightning holds
-        # one batch and ``IN_FLIGHT`` are requested; when two more follow in the epoch, each
-        # worker still owes one nobody asked for yet, so the loader must miss the dead worker
-        # (one done with its epoch is shut down with it, unnoticed: no restart is due).
-        paused = (resume + 1) % steps_per_epoch
-        kill_worker = (worker_kills < WORKER_KILLS and (target or total) - resume >= 6
-                       and paused + 1 + IN_FLIGHT + 2 < steps_per_epoch)
+        # In the first attempts, kill a DataLoader worker too, early enough that the loader must
+        # notice and recover before the training process is killed itself: a random kill
+        # target too close for that moves later (an epoch's last step stays a target).
+        pause = _worker_kill_step(resume, steps_per_epoch) if worker_kills < WORKER_KILLS else None
+        if pause is not None and target is not None and target < pause + 5:
+            if target in boundaries or pause + 5 > total - KILL_MARGIN:
+                pause = None
+            else:
+                target = pause + 5
         pid = zygote.start(kind=kind, out=str(out), log=str(log), epochs=EPOCHS,
                            max_steps=total,
                            hold_at=None if target is None else target + HOLD_AFTER,
-                           pause_at=resume + 1 if kill_worker else None)
-        if kill_worker and _wait_for_step(log, resume + 1, pid):
+                           pause_at=pause)
+        if pause is not None and _wait_for_step(log, pause, pid):
             # the workers only (named as torch's are): the shared-memory manager or Python's
             # resource tracker may be children too, and killing one is not a worker crash
             workers = [p for p in _tree(pid)[1:] if _name(p) == "pt_data_worker"]
