@@ -190,7 +190,7 @@ def test_in_process_fetches_each_request_when_asked() -> None:
     assert list(it) == [2, 4, 6, 8]
 
 
-def test_pools_start_no_thread_in_the_main_process_for_processes() -> None:
+def test_process_workers_start_no_thread_in_the_main_process() -> None:
     before = {t.ident for t in threading.enumerate()}
     pool = ProcessPool(Recorder(), range(6), num_workers=2, seed=7)
     assert [r for r, _ in pool] == list(range(6))

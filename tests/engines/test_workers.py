@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any
 
@@ -133,9 +134,18 @@ def test_a_result_that_cannot_be_pickled_is_an_error_naming_the_worker() -> None
     pool.close()
 
 
+@pytest.fixture
+def stops_the_fork_server() -> Iterator[None]:
+    """Stop the fork server a test started: Python keeps one per process, and a later user
+    (``bench_throughput``) would otherwise get it without the modules it asks to preload."""
+    yield
+    forkserver._forkserver._stop()
+
+
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 @pytest.mark.parametrize("ring", [True, False])
-def test_workers_started_by_any_method_deliver_the_same_stream(method: str, ring: bool) -> None:
+def test_workers_started_by_any_method_deliver_the_same_stream(method: str, ring: bool,
+                                                               stops_the_fork_server) -> None:
     loader = ResumableLoader(IndexDataset(24), batch_size=4, num_workers=2, shuffle=True, seed=6,
                              multiprocessing_context=method)
     loader.shared_ring = ring
