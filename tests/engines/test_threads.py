@@ -179,7 +179,7 @@ def test_auto_reads_the_processs_cpu_use_over_a_long_enough_concurrent_phase(min
 
 
 def test_auto_measures_fetches_alone_then_all_threads_busy() -> None:
-    fetcher = Recorder(0.01)
+    fetcher = Recorder(0.05)  # long enough that a busy machine's wake-up delays cannot flip it
     auto = AutoChoice(2)
     pool = ThreadPool(fetcher, range(4), num_workers=2, auto=auto)
     list(pool)  # the serial phase: one fetch at a time

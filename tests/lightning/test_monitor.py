@@ -229,7 +229,9 @@ def test_throughput_matches_the_rate_of_training_steps(tmp_path: Path, batch_siz
     trainer, _ = fit(tmp_path, ResumableLoader(data, batch_size=BATCH), model, monitor)
 
     throughput = float(trainer.callback_metrics["samples_per_sec"])
-    step_interval = float(np.mean(np.diff(model.step_times)[-4:]))
+    # the median: a pause in Lightning's code between two steps (not the monitor's to count)
+    # stretches one interval
+    step_interval = float(np.median(np.diff(model.step_times)[-4:]))
     assert throughput == pytest.approx(samples / step_interval, rel=0.5)
     assert logged(trainer, "samples_per_sec")[-1] == pytest.approx(throughput)
 
