@@ -176,7 +176,6 @@ class _Task(NamedTuple):
 class _Result(NamedTuple):
     generation: int
     number: int
-    worker: int
     data: Any
     wall_s: float
 
@@ -308,7 +307,7 @@ def _serve(me: ThreadWorker, inbox: queue.SimpleQueue[_Task | None],
                         data = torch_data_utils.pin_memory.pin_memory(data, pin[0])
                 except BaseException:
                     data = torch_data_utils.ExceptionWrapper(where=where)
-            outbox.put(_Result(task.generation, task.number, me.id, data,
+            outbox.put(_Result(task.generation, task.number, data,
                                time.perf_counter() - start))
             del data, task
     finally:

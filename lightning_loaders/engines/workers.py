@@ -37,7 +37,7 @@ import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -182,6 +182,14 @@ class ProcessPool:
                 raise WorkerLost(wedged, f"did not start within {START_S:g} s of its fork and "
                                          "was killed")
 
+    def _raise_lost(self, error: Exception) -> NoReturn:
+        """Raise what a failed pipe operation means: ``WorkerLost`` when a worker is seen
+        dead within ``DEATH_GRACE_S``, else ``error`` itself."""
+        dead = self._dead(grace_s=DEATH_GRACE_S)
+        if dead:
+            raise WorkerLost(dead) from error
+        raise error
+
     def _dead(self, grace_s: float = 0.0) -> list[tuple[int, int | None, int | None]]:
         """``(worker id, pid, exit code)`` of the workers that have exited, waiting up to
         ``grace_s`` for one to be seen exiting."""
@@ -219,23 +227,21 @@ class _ProcessIterator(PoolIterator):
     def __init__(self, pool: ProcessPool, generation: int) -> None:
         super().__init__(pool, generation)
         self._pool: ProcessPool = pool
+        self._pipes = [worker.results for worker in pool.workers]
+        self._sentinels = [worker.process.sentinel for worker in pool.workers]
         self._send()
 
     def _put(self, worker: int, number: int, request: Any) -> None:
         try:
             self._pool.workers[worker].requests.send((self._generation, number, request))
         except OSError as exc:  # a dead worker's pipe is closed
-            dead = self._pool._dead(grace_s=DEATH_GRACE_S)
-            if not dead:
-                raise
-            raise WorkerLost(dead) from exc
+            self._pool._raise_lost(exc)
 
     def _take(self) -> Arrival:
         """The next result of this iterator's requests, waiting at most ``timeout``."""
         pool = self._pool
         deadline = self._deadline()
-        pipes = [worker.results for worker in pool.workers]
-        sentinels = [worker.process.sentinel for worker in pool.workers]
+        pipes, sentinels = self._pipes, self._sentinels
         while True:
             pool._check_started()
             ready = wait([*pipes, *sentinels], timeout=self._wait_s(deadline))
@@ -256,10 +262,7 @@ class _ProcessIterator(PoolIterator):
         try:
             generation, number, data = pipe.recv()
         except Exception as exc:  # a worker killed while it wrote
-            dead = pool._dead(grace_s=DEATH_GRACE_S)
-            if not dead:
-                raise
-            raise WorkerLost(dead) from exc
+            pool._raise_lost(exc)
         if isinstance(data, Packed):
             data = pool._reader.unpack(data, pool.pin is not None)
         elif pool.pin is not None and not isinstance(data, torch_data_utils.ExceptionWrapper):
