@@ -42,14 +42,24 @@ def _small_dict() -> dict[str, torch.Tensor]:
         "label": torch.tensor(0), "mask": torch.zeros(16, dtype=torch.bool)}
 
 
-# case -> (batch size, a sample)
-CASES: dict[str, tuple[int, Callable[[], Any]]] = {
-    "64 x (3x32x32 uint8, label)": (64, lambda: (torch.zeros(3, 32, 32, dtype=torch.uint8), 0)),
+def _stack(samples: list[torch.Tensor]) -> torch.Tensor:
+    """A user's ``collate_fn``: its batch is made outside the ring, which copies it in."""
+    return torch.stack(samples)
+
+
+# case -> (batch size, a sample, collate_fn)
+CASES: dict[str, tuple[int, Callable[[], Any], Callable[[list[Any]], Any] | None]] = {
+    "64 x (3x32x32 uint8, label)": (64, lambda: (torch.zeros(3, 32, 32, dtype=torch.uint8), 0),
+                                    None),
+    "32 x (3x128x128 uint8, label)": (32, lambda: (torch.zeros(3, 128, 128,
+                                                               dtype=torch.uint8), 0), None),
     "256 x (3x128x128 uint8, label)": (256, lambda: (torch.zeros(3, 128, 128,
-                                                                 dtype=torch.uint8), 0)),
-    "64 x dict of 10 small tensors": (64, _small_dict),
-    "16 x 64 KB float32 (1 MB)": (16, lambda: torch.zeros(16384, dtype=torch.float32)),
-    "16 x 1 MB float32 (16 MB)": (16, lambda: torch.zeros(262144, dtype=torch.float32)),
+                                                                 dtype=torch.uint8), 0), None),
+    "64 x dict of 10 small tensors": (64, _small_dict, None),
+    "16 x 64 KB float32 (1 MB)": (16, lambda: torch.zeros(16384, dtype=torch.float32), None),
+    "16 x 1 MB float32 (16 MB)": (16, lambda: torch.zeros(262144, dtype=torch.float32), None),
+    "16 x 1 MB float32 (16 MB), own collate_fn": (
+        16, lambda: torch.zeros(262144, dtype=torch.float32), _stack),
 }
 
 
@@ -66,11 +76,13 @@ class TemplateDataset(Dataset[Any]):
         return self.sample
 
 
-def _loader(name: str, dataset: Dataset[Any], batch_size: int) -> Any:
+def _loader(name: str, dataset: Dataset[Any], batch_size: int,
+            collate_fn: Callable[[list[Any]], Any] | None) -> Any:
     from lightning_loaders import ResumableLoader
 
     kwargs: dict[str, Any] = {"batch_size": batch_size, "num_workers": WORKERS,
-                              "persistent_workers": True, "prefetch_factor": 2}
+                              "persistent_workers": True, "prefetch_factor": 2,
+                              "collate_fn": collate_fn}
     if name == DATALOADER:
         return DataLoader(dataset, **kwargs)
     loader = ResumableLoader(dataset, **kwargs)
@@ -111,9 +123,9 @@ def run(settings: Settings) -> Report:
     batches = settings.pick(20, 200)
     warmup = 4
     rows = []
-    for case, (batch_size, make) in CASES.items():
+    for case, (batch_size, make, collate_fn) in CASES.items():
         dataset = TemplateDataset(batch_size * (warmup + batches), make())
-        loaders = {name: _loader(name, dataset, batch_size) for name in LOADERS}
+        loaders = {name: _loader(name, dataset, batch_size, collate_fn) for name in LOADERS}
         size = _nbytes(next(iter(loaders[DATALOADER])))
         main_cpu: dict[str, list[float]] = {name: [] for name in LOADERS}
         all_cpu: dict[str, list[float]] = {name: [] for name in LOADERS}
@@ -141,7 +153,7 @@ def run(settings: Settings) -> Report:
     return Report(
         name="transport",
         title=f"13. Worker to main process transport ({WORKERS} workers, trivial samples, "
-              "default_collate): us per batch",
+              "default_collate unless said): us per batch",
         columns=columns,
         rows=rows,
         notes=(f"Per repetition and loader (in a shuffled order), one epoch of a new iter() on "
@@ -149,7 +161,9 @@ def run(settings: Settings) -> Report:
                f"{settings.repeats} repetitions. 'main CPU': the main process (all its "
                "threads); 'all CPU': main process and workers. MB/s: batch bytes / wall time.",
                f"'{TORCH_PATH}': shared_ring=False (torch's fresh segment per tensor: fd "
-               f"passing, mmap, page faults); '{RING}': the default (engines.transport).",),
+               f"passing, mmap, page faults); '{RING}': the default (engines.transport: "
+               "default_collate stacks into a slot, the batch arrives as a view of it; an own "
+               "collate_fn's batch is copied into the slot).",),
         plot=Plot("batch", tuple(f"{name} main CPU (us/batch)" for name in LOADERS),
                   "main-process CPU us/batch", log=True),
     )

@@ -2,27 +2,32 @@
 
 torch moves every tensor of a batch from a worker in a fresh shared-memory segment: allocated
 and mapped in the worker, its file descriptor passed over a socket, mapped again in the main
-process (first-touch page faults on both sides), unmapped when the batch dies. ``RingPacker``
-(what each worker process applies to its results) instead copies the tensors of a result into
-a free slot of that worker's ring of reusable ``/dev/shm`` slots and returns a small ``Packed``
-descriptor (the result pickled with each tensor replaced by its place in the slot).
-``RingReader`` (main process) copies the tensors out into fresh memory the user owns (pinned
-when ``pin_memory`` is on, saving a separate pinning copy) and frees the slot at once: a
-delivered batch never aliases ring memory, and may be kept as long as one likes.
+process, first-touch page faults on both sides (dear in a virtual machine: about 400 per
+1.5 MB batch), unmapped when the batch dies. Each worker process here instead keeps a ring of
+reusable ``/dev/shm`` slots, mapped and faulted in once:
+
+- ``ring_collate`` (``default_collate``'s values) stacks a batch's tensors straight into a free
+  slot of the worker's ring; ``RingPacker`` (applied to each result) copies there only the
+  tensors made elsewhere (by a user's ``collate_fn``), and returns a small ``Packed``
+  descriptor: the result pickled with each tensor replaced by its place in the slot.
+- ``RingReader`` (main process) rebuilds the result with its tensors as views of the slot, no
+  copy. The slot stays the user's while any tensor of that batch lives, and returns to its
+  worker when the last one dies: a delivered batch is never overwritten, and may be kept as
+  long as one likes. With ``pin_memory`` the tensors are copied into pinned memory instead
+  (the copy pinning makes anyway) and the slot is free at once.
 
 A slot is sized by the first result it carries and replaced by a larger one when a result does
-not fit; a worker keeps at most ``slots`` of them. A result with no CPU contiguous tensor, one
-that meets no free slot, or one that does not pickle goes through torch's path unchanged, as do
-the tensors the ring does not take: those over ``MAX_TENSOR_BYTES`` (there torch's fixed cost
-per tensor is small next to the ring's extra copies), views with gaps, tensors needing grad,
-other devices...
+not fit; a worker keeps at most ``slots`` of them, none over ``MAX_SLOT_BYTES``. A result that
+meets no free slot (the user holds them all), a tensor the ring does not take (views with
+gaps, tensors needing grad, other devices...) and a result that does not pickle go through
+torch's path unchanged.
 
 Lifetime: slots are named ``ll_ring_<main pid>_<worker pid>_<slot>_<generation>``. The main
 process unlinks a slot's name as soon as it has mapped it (mappings keep the memory until both
-sides close them); ``RingReader.close`` unlinks what is left of its workers' slots (one killed
-before its slot was read, results never received); a worker unlinks its own at exit (when the
-main process was killed). Only the death of the main process and a worker together can leave
-a named slot behind.
+sides close them, and the batches viewing it are gone); ``RingReader.close`` unlinks what is
+left of its workers' slots (one killed before its slot was read, results never received); a
+worker unlinks its own at exit (when the main process was killed). Only the death of the main
+process and a worker together can leave a named slot behind.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import io
 import mmap
 import os
 import pickle
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing import util as mp_util
@@ -39,21 +45,21 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import default_collate, get_worker_info
-from torch.utils.data._utils import worker as torch_worker
+from torch.utils.data import default_collate
+from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
-__all__ = ["MAX_TENSOR_BYTES", "SHM_DIR", "Packed", "RingPacker", "RingReader", "ring_collate",
+__all__ = ["MAX_SLOT_BYTES", "SHM_DIR", "Packed", "RingPacker", "RingReader", "ring_collate",
            "ring_files", "worker_collate"]
 
 SHM_DIR = "/dev/shm"
-MAX_TENSOR_BYTES = 1 << 20
-"""Larger tensors go torch's way: torch's fixed cost per tensor (a file descriptor passed over
-a socket, a mapping) outweighs the ring's two copies up to about 1 MB; from 2 MB on the copies
-cost more CPU in all (``benchmarks/bench_transport.py``)."""
+MAX_SLOT_BYTES = 256 << 20
+"""The largest slot a worker makes: a larger result goes torch's way (a ring of such slots
+would hold gigabytes of shared memory between batches)."""
 _PREFIX = "ll_ring"
 _HEADER = 64  # bytes before a slot's data: byte 0 is 1 while the slot carries a result
 _ALIGN = 64
 _GROWTH = 1.25  # a new slot leaves room for results a little larger than the one that made it
+_ring: _Ring | None = None  # this worker process's ring, once its packer is installed
 
 
 def ring_files(owner: int | None = None) -> list[str]:
@@ -79,10 +85,11 @@ class Packed:
 
 
 class RingPacker:
-    """Applied to each result by a worker process: the result as a ``Packed`` in a
-    slot of the worker's ring; in the main process, the result unchanged.
+    """This worker process's ring, once ``install``ed; applied to each result, the result as a
+    ``Packed`` in a slot of that ring.
 
-    ``slots`` bounds the slots of each worker (the results it may have in flight at once).
+    ``slots`` bounds the slots of each worker: the results it may have in flight at once, and
+    the batches the user holds.
     """
 
     def __init__(self, slots: int) -> None:
@@ -90,37 +97,32 @@ class RingPacker:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.slots = slots
         self.owner = os.getpid()
-        self._ring: _Ring | None = None
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"slots": self.slots, "owner": self.owner, "_ring": None}
+    def install(self) -> None:
+        """In a worker process: make its ring, where ``ring_collate`` then stacks batches."""
+        global _ring
+        _ring = _Ring(self.owner, self.slots)
 
     def __call__(self, result: Any) -> Any:
-        if get_worker_info() is None:
-            return result
-        if self._ring is None:
-            self._ring = _Ring(self.owner, self.slots)
-        return self._ring.pack(result)
+        if _ring is None:
+            self.install()
+        assert _ring is not None
+        return _ring.pack(result)
 
 
 def ring_collate(samples: list[Any]) -> Any:
-    """``default_collate`` in a worker whose results go through its ring.
+    """``default_collate``, stacking each tensor straight into a free slot of this worker
+    process's ring (where ``RingPacker`` sends it from without a copy).
 
-    In a worker process, ``default_collate`` stacks each tensor into a fresh shared-memory
-    segment, made, mapped, faulted in and unmapped per batch. When the ring takes every tensor
-    of the batch (none over ``MAX_TENSOR_BYTES``), it copies them into its slot anyway: they are
-    stacked into private memory instead. Larger batches keep torch's segments, which torch
-    then sends without a copy. The values are ``default_collate``'s either way.
+    Outside a worker with a ring, or when no slot is free, it is ``default_collate`` itself (in
+    a worker process: torch's fresh shared-memory segments). The values are
+    ``default_collate``'s either way.
     """
-    if (get_worker_info() is None or not samples
-            or _largest_leaf(samples[0]) * len(samples) > MAX_TENSOR_BYTES):
+    arena = _ring.arena(_collated_bytes(samples)) if _ring is not None and samples else None
+    if arena is None:
         return default_collate(samples)
-    saved = torch_worker._worker_info
-    torch_worker._worker_info = None  # default_collate's test for "in a worker process"
-    try:
-        return default_collate(samples)
-    finally:
-        torch_worker._worker_info = saved
+    return collate(samples, collate_fn_map={**default_collate_fn_map,
+                                            torch.Tensor: arena.stack})
 
 
 def worker_collate(collate_fn: Callable[[list[Any]], Any] | None, ring: bool
@@ -132,47 +134,61 @@ def worker_collate(collate_fn: Callable[[list[Any]], Any] | None, ring: bool
     return ring_collate if ring else default_collate
 
 
-def _largest_leaf(sample: Any) -> int:
-    """Bytes of the largest tensor or array in ``sample`` (8 for a number)."""
-    if isinstance(sample, torch.Tensor | np.ndarray):
-        return int(sample.nbytes)
-    if isinstance(sample, Mapping):
-        return max((_largest_leaf(value) for value in sample.values()), default=0)
-    if isinstance(sample, tuple | list):
-        return max((_largest_leaf(value) for value in sample), default=0)
-    return 8
+def _collated_bytes(samples: list[Any]) -> int:
+    """Bytes of slot that ``default_collate(samples)`` fills, judged by the first sample."""
+    count = len(samples)
+
+    def leaf(sample: Any) -> int:
+        if isinstance(sample, torch.Tensor | np.ndarray):
+            return _aligned(int(sample.nbytes) * count)
+        if isinstance(sample, str | bytes):
+            return 0
+        if isinstance(sample, Mapping):
+            return sum(leaf(value) for value in sample.values())
+        if isinstance(sample, tuple | list):
+            return sum(leaf(value) for value in sample)
+        if isinstance(sample, int | float | np.generic):  # bool too: one tensor of 8 bytes or less
+            return _aligned(8 * count)
+        return 0
+
+    return leaf(samples[0])
 
 
 class RingReader:
-    """Main process side: rebuilds ``Packed`` results and frees their slots."""
+    """Main process side: rebuilds ``Packed`` results as views of their slots."""
 
     def __init__(self) -> None:
         self.owner = os.getpid()
         self._maps: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}
 
     def unpack(self, packed: Packed, pin: bool = False) -> Any:
-        """The worker's result, its tensors copied out of the slot (into pinned memory with
-        ``pin``); the slot is free again when this returns."""
+        """The worker's result, its tensors views of the slot (the slot is free again once
+        they are all gone), or copies in pinned memory with ``pin`` (free at once)."""
         refs = packed.refs
         if packed.slot is not None:
             view = self._map(packed)
-            try:
-                buffer = np.frombuffer(view, dtype=np.uint8)
-                refs = [_copy_out(buffer, ref, pin) if isinstance(ref, tuple) else ref
-                        for ref in refs]
-                del buffer
-            finally:
-                view[0] = 0  # the slot is free
+            lease = np.frombuffer(view, dtype=np.uint8)  # its views hold the slot
+            if pin:
+                try:
+                    refs = [_copy_out(lease, ref) if isinstance(ref, tuple) else ref
+                            for ref in refs]
+                finally:
+                    view[0] = 0  # the slot is free
+            else:
+                weakref.finalize(lease, _free, view, self.owner).atexit = False
+                refs = [_view(lease, ref) if isinstance(ref, tuple) else ref for ref in refs]
+            del lease
         if pin:
             refs = [ref.pin_memory() if isinstance(ref, torch.Tensor) else ref for ref in refs]
         return _Unpickler(io.BytesIO(packed.payload), refs).load()
 
     def close(self, worker_pids: list[int | None] | None = None) -> None:
-        """Unmap every slot and unlink what is left of the slots of ``worker_pids`` (of every
-        worker of this process when ``None``); call it once those workers have stopped."""
+        """Unmap every slot no batch views and unlink what is left of the slots of
+        ``worker_pids`` (of every worker of this process when ``None``); call it once those
+        workers have stopped."""
         maps, self._maps = self._maps, {}
         for _, view in maps.values():
-            view.close()
+            _close(view)
         if worker_pids is None:
             names = ring_files(self.owner)
         else:
@@ -189,7 +205,7 @@ class RingReader:
         if known is not None and known[0] == packed.generation:
             return known[1]
         if known is not None:
-            known[1].close()
+            _close(known[1])
         name = _name(self.owner, packed.worker_pid, packed.slot, packed.generation)
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
         try:
@@ -201,6 +217,28 @@ class RingReader:
         return view
 
 
+def _view(lease: np.ndarray, ref: tuple[int, torch.dtype, tuple[int, ...]]) -> torch.Tensor:
+    """The tensor at ``ref`` in the slot's bytes ``lease``, sharing them. Its storage is its own
+    bytes only, as a tensor from torch's path has (``torch.save`` of it saves no more)."""
+    offset, dtype, shape = ref
+    return torch.from_numpy(lease[offset:offset + _nbytes(dtype, shape)]).view(dtype).view(shape)
+
+
+def _free(view: mmap.mmap, owner: int) -> None:
+    """The last view of a delivered batch is gone: its slot is free for its worker again. Not
+    in a process forked from the owner (its copies of the batch die there, not the owner's)."""
+    if os.getpid() == owner and not view.closed:
+        view[0] = 0
+
+
+def _close(view: mmap.mmap) -> None:
+    """Unmap ``view``, unless batches still view it (the mapping then goes with them)."""
+    try:
+        view.close()
+    except BufferError:
+        pass
+
+
 # -- worker side -----------------------------------------------------------------------------
 
 
@@ -210,6 +248,41 @@ class _Slot:
     size: int
     view: mmap.mmap
     name: str
+    data: torch.Tensor  # the slot's bytes
+
+
+@dataclass
+class _Arena:
+    """The slot a batch is being collated into: tensors are laid out from ``end`` on;
+    ``placed`` maps each tensor placed (by ``id``, with the tensor, so that the id stays its
+    own) to its offset."""
+
+    index: int
+    view: mmap.mmap
+    end: int = _HEADER
+    placed: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+
+    def empty(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """A new tensor in the slot, or ``None`` when it has no room left. Its storage is its
+        own bytes only: were it ever shared torch's way, torch would move that storage alone
+        to a new segment, not the slot."""
+        nbytes = _nbytes(dtype, shape)
+        if not nbytes or self.end + nbytes > len(self.view):
+            return None
+        tensor = torch.frombuffer(self.view, dtype=torch.uint8, count=nbytes,
+                                  offset=self.end).view(dtype).view(shape)
+        self.placed[id(tensor)] = (self.end, tensor)
+        self.end += _aligned(nbytes)
+        return tensor
+
+    def stack(self, batch: list[torch.Tensor], *,
+              collate_fn_map: dict[Any, Any] | None = None) -> torch.Tensor:
+        """``default_collate`` of tensors (``torch.stack``), into the slot when it has room."""
+        elem = batch[0]
+        out = self.empty(elem.dtype, (len(batch), *elem.shape)) if _plain(elem) else None
+        if out is None:
+            return default_collate(batch)
+        return torch.stack(batch, 0, out=out)
 
 
 @dataclass
@@ -221,42 +294,57 @@ class _Ring:
     pid: int = field(default_factory=os.getpid)
     slots: list[_Slot | None] = field(default_factory=list)
     generation: int = 0
+    pending: _Arena | None = None  # the slot of the result being made, until it is packed
 
     def __post_init__(self) -> None:
         mp_util.Finalize(self, self.unlink_all, exitpriority=100)
 
+    def arena(self, need: int) -> _Arena | None:
+        """The slot the result being made is collated into (at least ``need`` bytes of room
+        when new), or ``None`` when no slot is free."""
+        if self.pending is None:
+            index = self._free_slot(_HEADER + need)
+            if index is not None:
+                slot = self.slots[index]
+                assert slot is not None
+                self.pending = _Arena(index, slot.view)
+        return self.pending
+
     def pack(self, result: Any) -> Any:
+        arena, self.pending = self.pending, None
         buffer = io.BytesIO()
         pickler = _Pickler(buffer)
         try:
             pickler.dump(result)
         except Exception:  # pickled whole, torch's way, it reports its own error
             return result
-        tensors = pickler.tensors
-        if not any(pickler.ring):
+        placed = arena.placed if arena is not None else {}
+        offsets, end = [], arena.end if arena is not None else _HEADER
+        for tensor, in_ring in zip(pickler.tensors, pickler.ring, strict=True):
+            known = placed.get(id(tensor))
+            if known is not None and known[1] is tensor:
+                offsets.append(known[0])
+            elif in_ring:
+                offsets.append(end)
+                end += _aligned(tensor.nbytes)
+            else:
+                offsets.append(-1)
+        if all(offset < 0 for offset in offsets):
             return result
-        offsets, end = [], _HEADER
-        for tensor, in_ring in zip(tensors, pickler.ring, strict=True):
-            offsets.append(end if in_ring else -1)
-            if in_ring:
-                end += -(-tensor.nbytes // _ALIGN) * _ALIGN
-        index = self._free_slot(end)
-        if index is None:
-            return Packed(payload=buffer.getvalue(), refs=tensors, worker_pid=self.pid)
-        slot = self.slots[index]
-        assert slot is not None
-        target = torch.frombuffer(slot.view, dtype=torch.uint8)
+        index = arena.index if arena is not None else self._free_slot(end)
+        slot = self.slots[index] if index is not None else None
+        if slot is None:
+            return Packed(payload=buffer.getvalue(), refs=pickler.tensors, worker_pid=self.pid)
         refs: list[Any] = []
-        for tensor, offset in zip(tensors, offsets, strict=True):
-            if offset < 0:
-                refs.append(tensor)
+        for tensor, offset in zip(pickler.tensors, offsets, strict=True):
+            copied = offset >= (arena.end if arena is not None else _HEADER)
+            if offset < 0 or (copied and offset + tensor.nbytes > slot.size):
+                refs.append(tensor)  # no room left: torch's way
                 continue
-            nbytes = tensor.nbytes
-            if nbytes:
-                target[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(
-                    tensor)
+            if copied and tensor.nbytes:
+                slot.data[offset:offset + tensor.nbytes].view(tensor.dtype).view(
+                    tensor.shape).copy_(tensor)
             refs.append((offset, tensor.dtype, tuple(tensor.shape)))
-        del target
         slot.view[0] = 1
         return Packed(payload=buffer.getvalue(), refs=refs, worker_pid=self.pid, slot=index,
                       generation=slot.generation, size=slot.size)
@@ -264,11 +352,13 @@ class _Ring:
     def _free_slot(self, need: int) -> int | None:
         """A free slot of at least ``need`` bytes: a free one that fits, else a new one (in
         place of the smallest free one when all ``limit`` exist); ``None`` when all are
-        busy or no shared memory is left."""
+        busy, ``need`` is over ``MAX_SLOT_BYTES`` or no shared memory is left."""
         free = [i for i, slot in enumerate(self.slots) if slot is None or slot.view[0] == 0]
         fits = [i for i in free if (slot := self.slots[i]) is not None and slot.size >= need]
         if fits:
             return fits[0]
+        if need > MAX_SLOT_BYTES:
+            return None
         if len(self.slots) < self.limit:
             self.slots.append(None)
             free.append(len(self.slots) - 1)
@@ -276,11 +366,10 @@ class _Ring:
             return None
         index = min(free, key=lambda i: (s := self.slots[i]) is not None and s.size or 0)
         old = self.slots[index]
-        if old is not None:
+        if old is not None:  # unmapped as the last tensor viewing it dies
             self.slots[index] = None
-            old.view.close()
             _unlink(old.name)
-        self.slots[index] = self._create(index, int(need * _GROWTH))
+        self.slots[index] = self._create(index, min(int(need * _GROWTH), MAX_SLOT_BYTES))
         return index if self.slots[index] is not None else None
 
     def _create(self, index: int, size: int) -> _Slot | None:
@@ -299,7 +388,7 @@ class _Ring:
             return None
         finally:
             os.close(fd)
-        return _Slot(self.generation, size, view, name)
+        return _Slot(self.generation, size, view, name, torch.frombuffer(view, dtype=torch.uint8))
 
     def unlink_all(self) -> None:
         """Unlink this worker's slot names (those the main process has not yet)."""
@@ -310,7 +399,7 @@ class _Ring:
 
 class _Pickler(ForkingPickler):
     """Pickles a result with every tensor replaced by its index in ``tensors``; ``ring[k]``
-    says whether tensor ``k`` can go through the ring (torch sends the others)."""
+    says whether tensor ``k`` can be copied into the ring (torch sends the others)."""
 
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
@@ -324,7 +413,7 @@ class _Pickler(ForkingPickler):
             if index is None:  # a tensor met twice is sent once, and is one tensor again
                 index = self._seen[id(obj)] = len(self.tensors)
                 self.tensors.append(obj)
-                self.ring.append(_ring_ready(obj))
+                self.ring.append(_plain(obj) and obj.is_contiguous())  # type: ignore[union-attr]
             return index
         return None
 
@@ -338,31 +427,31 @@ class _Unpickler(pickle.Unpickler):
         return self.refs[pid]
 
 
-def _ring_ready(obj: Any) -> bool:
-    """Whether the ring can carry ``obj`` exactly, and cheaper than torch: a plain, dense CPU
-    tensor of at most ``MAX_TENSOR_BYTES``."""
-    return (type(obj) is torch.Tensor and obj.nbytes <= MAX_TENSOR_BYTES
-            and obj.device.type == "cpu"
+def _plain(obj: Any) -> bool:
+    """Whether the ring can hold ``obj`` exactly: a plain, dense CPU tensor."""
+    return (type(obj) is torch.Tensor and obj.device.type == "cpu"
             and obj.layout == torch.strided and not obj.requires_grad and not obj.is_quantized
-            and not obj.is_nested and not obj.is_conj() and not obj.is_neg()
-            and obj.is_contiguous())
+            and not obj.is_nested and not obj.is_conj() and not obj.is_neg())
 
 
-def _copy_out(buffer: np.ndarray, ref: tuple[int, torch.dtype, tuple[int, ...]],
-              pin: bool) -> torch.Tensor:
-    """A new tensor holding the bytes at ``ref`` (a plain memcpy: ``Tensor.copy_`` would split
-    it over the intra-op threads, which costs far more on cores busy with workers)."""
+def _copy_out(lease: np.ndarray, ref: tuple[int, torch.dtype, tuple[int, ...]]
+              ) -> torch.Tensor:
+    """A new pinned tensor holding the bytes at ``ref`` (a plain memcpy: ``Tensor.copy_`` would
+    split it over the intra-op threads, which costs far more on cores busy with workers)."""
     offset, dtype, shape = ref
-    out = torch.empty(shape, dtype=dtype, pin_memory=pin)
+    out = torch.empty(shape, dtype=dtype, pin_memory=True)
     nbytes = out.nbytes
     if nbytes:
-        np.copyto(_bytes_of(out), buffer[offset:offset + nbytes])
+        np.copyto(out.reshape(-1).view(torch.uint8).numpy(), lease[offset:offset + nbytes])
     return out
 
 
-def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
-    """A contiguous tensor's memory as a numpy byte array (any dtype)."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def _name(owner: int, worker_pid: int, slot: int, generation: int) -> str:

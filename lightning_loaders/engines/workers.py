@@ -53,7 +53,7 @@ from lightning_loaders.engines.pool import (
 )
 from lightning_loaders.engines.transport import Packed, RingPacker, RingReader
 
-__all__ = ["DEATH_GRACE_S", "JOIN_S", "PIPE_BYTES", "START_S", "ProcessPool"]
+__all__ = ["DEATH_GRACE_S", "HELD", "JOIN_S", "PIPE_BYTES", "START_S", "ProcessPool"]
 
 START_S = 10.0
 """How long a forked worker may take to reach its loop before it counts as wedged."""
@@ -64,6 +64,9 @@ JOIN_S = 5.0
 """How long ``close()`` waits for a worker to finish the fetch it is in before killing it."""
 WATCH_S = 1.0
 """How often an idle worker checks that its parent is alive."""
+HELD = 2
+"""Ring slots per worker beyond its in-flight results: delivered batches view their slots
+while the user holds them (the training step's batch, and the one Lightning fetches ahead)."""
 PIPE_BYTES = 1 << 20
 """Pipe buffer asked for (Linux): requests and results are written whole without waiting for
 the reader, up to this size."""
@@ -74,7 +77,7 @@ class ProcessPool:
 
     Workers start at the first ``iter()`` and persist across iterators (epochs) unless
     ``persistent_workers=False``; ``close()`` stops them. ``ring`` sends results through
-    shared-memory rings of ``prefetch_factor + 1`` slots per worker. ``seed`` is the workers'
+    shared-memory rings of ``prefetch_factor + HELD`` slots per worker. ``seed`` is the workers'
     base seed: worker ``w`` seeds its RNGs from ``seed + w``, as torch's workers do.
     """
 
@@ -149,7 +152,7 @@ class ProcessPool:
             started = self.context.RawArray("b", self.num_workers)
             self._start_deadline = time.monotonic() + START_S
         stop = self._stop = self.context.RawValue("b", 0)
-        packer = RingPacker(slots=self.prefetch_factor + 1) if self.ring else None
+        packer = RingPacker(slots=self.prefetch_factor + HELD) if self.ring else None
         for w in range(self.num_workers):
             requests_in, requests_out = self.context.Pipe(duplex=False)
             results_in, results_out = self.context.Pipe(duplex=False)
@@ -293,6 +296,8 @@ def _serve(setup: _Setup, fetcher: Any, packer: RingPacker | None,
         setup.started[w] = 1
     try:
         failure = _set_up(setup, fetcher, init)
+        if packer is not None:
+            packer.install()
         where = f"in DataLoader worker process {w}"
         while True:
             while not requests.poll(WATCH_S):
@@ -306,10 +311,10 @@ def _serve(setup: _Setup, fetcher: Any, packer: RingPacker | None,
             if data is None:
                 try:
                     data = fetcher[request]
-                    if packer is not None:
-                        data = packer(data)
                 except Exception:
                     data = torch_data_utils.ExceptionWrapper(where=where)
+            if packer is not None:  # also an error's: it ends the slot collated into
+                data = packer(data)
             try:
                 payload = ForkingPickler.dumps((generation, number, data))
             except Exception:

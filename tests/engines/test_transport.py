@@ -1,9 +1,11 @@
 """Shared-memory rings between workers and the main process: the stream, state and resume are
-those of torch's transport, delivered batches never alias ring memory, and no slot outlives
-its loader (close, a killed worker, Ctrl-C in the loop, a killed main process)."""
+those of torch's transport; batches are collated into the slots and delivered as views of them,
+never overwritten while the user holds them; and no slot outlives its loader and its batches
+(close, a killed worker, Ctrl-C in the loop, a killed main process)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -17,10 +19,16 @@ import numpy as np
 import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset, default_collate
-from torch.utils.data._utils import worker as torch_worker
 
 from lightning_loaders import ResumableLoader
-from lightning_loaders.engines.transport import MAX_TENSOR_BYTES, ring_collate, ring_files
+from lightning_loaders.engines import transport
+from lightning_loaders.engines.transport import (
+    RingPacker,
+    RingReader,
+    ring_collate,
+    ring_files,
+)
+from lightning_loaders.engines.workers import HELD
 from lightning_loaders.testing import check_resume_at_every_step, run_epochs
 from tests.conftest import loader_processes
 from tests.ddp_harness import REPO
@@ -50,8 +58,9 @@ def _sample(i: int) -> dict[str, Any]:
 
 
 def _collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """Stacks what stacks; the ragged tensors are padded to the longest (batches grow); a big
-    tensor (torch's path) and a strided view (not contiguous: torch's path) ride along."""
+    """Stacks what stacks; the ragged tensors are padded to the longest (batches grow); a
+    tensor of over 1 MB (copied into the slot) and a strided view (not contiguous: torch's
+    path) ride along."""
     longest = max(len(s["ragged"]) for s in samples)
     ragged = torch.zeros(len(samples), longest, dtype=torch.float64)
     for row, s in enumerate(samples):
@@ -69,7 +78,7 @@ def _collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
         "empty": samples[0]["empty"],
         "numpy": np.stack([s["numpy"] for s in samples]),
         "pairs": [s["pair"] for s in samples],
-        "big": torch.full((MAX_TENSOR_BYTES // 8 + 1,), first, dtype=torch.int64),
+        "big": torch.full(((1 << 20) // 8 + 1,), first, dtype=torch.int64),
         "strided": torch.arange(20).reshape(4, 5)[:, ::2] + first,
     }
 
@@ -144,19 +153,85 @@ def test_the_ring_delivers_the_same_bytes_and_resumes_at_every_step(kind: str) -
     _assert_no_ring_left()
 
 
+def _in_ring(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory lies in a ring slot this process has mapped."""
+    address = tensor.untyped_storage().data_ptr()
+    for line in _ring_mappings():
+        start, end = (int(part, 16) for part in line.split()[0].split("-"))
+        if start <= address < end:
+            return True
+    return False
+
+
+class Images(Dataset[dict[str, Any]]):
+    """1.5 MB batches of 32 (3 x 128 x 128 uint8 images, as a decoding pipeline makes)."""
+
+    def __len__(self) -> int:
+        return 32 * 12
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"image": torch.full((3, 128, 128), index % 251, dtype=torch.uint8),
+                "label": index, "path": f"{index}.jpg"}
+
+
 @needs_shm
-def test_delivered_batches_own_their_memory_and_slots_are_reused() -> None:
+def test_default_collate_stacks_into_the_slots_and_batches_are_delivered_as_their_views(
+        ) -> None:
+    loader = ResumableLoader(Images(), batch_size=32, num_workers=2, seed=3, prefetch_factor=2)
+    expected = run_epochs(ResumableLoader(Images(), batch_size=32, seed=3), range(2),
+                          key=_exact)
+    got = []
+    for epoch in range(2):
+        loader.sampler.set_epoch(epoch)
+        got.append([])
+        for batch in loader:
+            assert _in_ring(batch["image"]) and _in_ring(batch["label"])
+            assert batch["label"].untyped_storage().nbytes() == 32 * 8, "its own bytes only"
+            got[-1].append(_exact(batch))
+            del batch  # its slots go back to the workers
+    assert got == expected
+    slots = 2 * (2 + HELD)
+    assert 0 < len(_ring_mappings()) <= slots, "slots are reused"
+    loader.close()
+    _assert_no_ring_left()
+
+
+@needs_shm
+def test_kept_batches_are_never_overwritten_and_are_the_users_memory() -> None:
     loader = _loader(Samples(60), True)
-    kept = list(loader)  # 20 batches kept while the slots carry the later ones
-    assert len(_ring_mappings()) > 0, "the batches came through the rings"
-    assert len(_ring_mappings()) <= 2 * 3, "at most prefetch_factor + 1 slots per worker"
+    kept = list(loader)  # 20 batches kept: the slots they view stay theirs
+    assert any(_in_ring(batch["pixels"]) for batch in kept), "the batches came through the rings"
     assert ring_files(os.getpid()) == [], "a mapped slot's name is unlinked"
     expected = run_epochs(_loader(Samples(60), False), range(1), key=_exact)[0]
     assert [_exact(batch) for batch in kept] == expected
     kept[0]["pixels"].add_(1)  # writable, and nobody else's
     assert [_exact(batch) for batch in kept[1:]] == expected[1:]
     loader.close()
+    assert [_exact(batch) for batch in kept[1:]] == expected[1:], "and outlive the loader"
+    del kept
+    gc.collect()
     _assert_no_ring_left()
+
+
+@needs_shm
+def test_a_forked_child_dropping_its_copy_of_a_batch_does_not_free_the_slot() -> None:
+    """A process forked while the user holds a batch (a restarted worker, a second loader's
+    workers) inherits its views; their death there must not hand the slot back."""
+    loader = ResumableLoader(Images(), batch_size=32, num_workers=2, prefetch_factor=1)
+    iterator = iter(loader)
+    held = next(iterator)
+    snapshot = held["image"].clone()
+    pid = os.fork()
+    if pid == 0:  # the child drops the views it inherited
+        held.clear()
+        gc.collect()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    for _ in iterator:  # every slot the workers have is used again and again
+        pass
+    assert _in_ring(held["image"])
+    assert torch.equal(held["image"], snapshot)
+    loader.close()
 
 
 @needs_shm
@@ -174,6 +249,7 @@ def test_a_killed_worker_is_recovered_exactly_and_leaves_no_slot() -> None:
     assert got == expected
     assert loader.worker_restarts == 1
     loader.close()
+    del batch  # the last batch delivered views its slot until it dies
     _assert_no_ring_left()
 
 
@@ -181,8 +257,9 @@ def test_a_killed_worker_is_recovered_exactly_and_leaves_no_slot() -> None:
 def test_ctrl_c_in_the_loop_leaves_no_worker_and_no_slot() -> None:
     loader = _loader(Samples(60), True)
     with pytest.raises(KeyboardInterrupt):
-        for step, _ in enumerate(loader):
+        for step, batch in enumerate(loader):
             if step == 2:
+                del batch
                 raise KeyboardInterrupt
     loader.close()
     assert loader_processes() == []
@@ -274,32 +351,49 @@ def test_with_pin_memory_batches_are_copied_out_of_the_ring_into_pinned_memory()
 
 
 @pytest.fixture
-def as_a_worker() -> Iterator[None]:
-    """This process seen as a DataLoader worker (what ``get_worker_info()`` reads)."""
-    saved = torch_worker._worker_info
-    torch_worker._worker_info = torch_worker.WorkerInfo(id=0, num_workers=1, seed=0,
-                                                        dataset=None)
-    yield
-    torch_worker._worker_info = saved
+def a_worker_ring() -> Iterator[RingPacker]:
+    """This process seen as a worker process with its ring installed."""
+    packer = RingPacker(slots=2)
+    packer.install()
+    yield packer
+    assert transport._ring is not None
+    transport._ring.unlink_all()
+    transport._ring = None
 
 
-def test_ring_collate_stacks_what_the_ring_takes_in_private_memory(as_a_worker) -> None:
-    """A batch the ring carries whole (512 KiB of rows here) is not first stacked into torch's
-    shared-memory segments; one with a tensor over ``MAX_TENSOR_BYTES`` still is (torch sends
-    it without a copy). The values are ``default_collate``'s."""
-    small = [{"x": torch.arange(4096, dtype=torch.float32) + i, "n": i, "s": f"{i}"}
-             for i in range(32)]
-    big = [{"x": np.full((3, 128, 128), i, dtype=np.uint8), "n": i, "s": f"{i}"}
-           for i in range(32)]
-    assert 32 * 4096 * 4 <= MAX_TENSOR_BYTES < 32 * 3 * 128 * 128
-    for samples, shared in ((small, False), (big, True)):
-        expected = default_collate(samples)
-        got = ring_collate(samples)
-        assert expected["x"].is_shared()  # torch's way in a worker
-        assert got["x"].is_shared() == shared
-        assert torch.equal(got["x"], expected["x"]) and torch.equal(got["n"], expected["n"])
-        assert got["s"] == expected["s"]
-    assert torch_worker._worker_info is not None  # the worker's view is back
+@needs_shm
+def test_ring_collate_stacks_into_a_slot_that_is_sent_without_a_copy(a_worker_ring) -> None:
+    """Every tensor or array ``default_collate`` stacks lies in the worker's slot; the packer
+    copies the numbers' tensors there too and sends places only; the main process's views hold
+    ``default_collate``'s values."""
+    samples = [{"x": np.full((3, 128, 128), i, dtype=np.uint8), "n": i, "f": i / 2,
+                "s": f"{i}", "t": (torch.arange(5) + i, i % 2 == 0)} for i in range(32)]
+    expected = default_collate(samples)
+    got = ring_collate(samples)
+    slot = transport._ring.slots[0].data  # type: ignore[union-attr]
+    start, end = slot.data_ptr(), slot.data_ptr() + slot.nbytes
+    assert all(start <= t.data_ptr() < end and not t.is_shared() for t in (got["x"], got["t"][0]))
+    packed = a_worker_ring(got)
+    assert all(isinstance(ref, tuple) for ref in packed.refs), "all in the slot"
+    delivered = RingReader().unpack(packed)
+    assert _exact(delivered) == _exact(expected)
+
+
+@needs_shm
+def test_with_every_slot_held_batches_go_torchs_way_until_one_is_dropped(a_worker_ring) -> None:
+    samples = [torch.arange(8) + i for i in range(4)]
+    reader = RingReader()
+    held = [reader.unpack(a_worker_ring(ring_collate(samples))) for _ in range(2)]
+    assert all(_in_ring(batch) for batch in held)
+    packed = a_worker_ring(ring_collate(samples))
+    assert packed.slot is None, "both slots are held: torch's way"
+    assert torch.equal(reader.unpack(packed), default_collate(samples))
+    del held[0]
+    packed = a_worker_ring(ring_collate(samples))
+    assert packed.slot is not None, "a dropped batch's slot is free again"
+    assert torch.equal(reader.unpack(packed), default_collate(samples))
+    del held
+    reader.close()
 
 
 def test_ring_collate_outside_a_worker_is_default_collate() -> None:
