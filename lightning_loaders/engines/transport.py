@@ -319,32 +319,32 @@ class _Ring:
         except Exception:  # pickled whole, torch's way, it reports its own error
             return result
         placed = arena.placed if arena is not None else {}
-        offsets, end = [], arena.end if arena is not None else _HEADER
+        start = end = arena.end if arena is not None else _HEADER
+        places: list[int | None] = []  # in the slot (collated there, or copied from ``start``)
         for tensor, in_ring in zip(pickler.tensors, pickler.ring, strict=True):
             known = placed.get(id(tensor))
             if known is not None and known[1] is tensor:
-                offsets.append(known[0])
+                places.append(known[0])
             elif in_ring:
-                offsets.append(end)
+                places.append(end)
                 end += _aligned(tensor.nbytes)
             else:
-                offsets.append(-1)
-        if all(offset < 0 for offset in offsets):
+                places.append(None)  # torch's way
+        if all(place is None for place in places):
             return result
         index = arena.index if arena is not None else self._free_slot(end)
         slot = self.slots[index] if index is not None else None
         if slot is None:
             return Packed(payload=buffer.getvalue(), refs=pickler.tensors, worker_pid=self.pid)
         refs: list[Any] = []
-        for tensor, offset in zip(pickler.tensors, offsets, strict=True):
-            copied = offset >= (arena.end if arena is not None else _HEADER)
-            if offset < 0 or (copied and offset + tensor.nbytes > slot.size):
-                refs.append(tensor)  # no room left: torch's way
+        for tensor, place in zip(pickler.tensors, places, strict=True):
+            if place is None or place + tensor.nbytes > slot.size:  # no room left: torch's way
+                refs.append(tensor)
                 continue
-            if copied and tensor.nbytes:
-                slot.data[offset:offset + tensor.nbytes].view(tensor.dtype).view(
+            if place >= start and tensor.nbytes:
+                slot.data[place:place + tensor.nbytes].view(tensor.dtype).view(
                     tensor.shape).copy_(tensor)
-            refs.append((offset, tensor.dtype, tuple(tensor.shape)))
+            refs.append((place, tensor.dtype, tuple(tensor.shape)))
         slot.view[0] = 1
         return Packed(payload=buffer.getvalue(), refs=refs, worker_pid=self.pid, slot=index,
                       generation=slot.generation, size=slot.size)
