@@ -32,6 +32,7 @@ from lightning_loaders.engines.workers import HELD
 from lightning_loaders.testing import check_resume_at_every_step, run_epochs
 from tests.conftest import loader_processes
 from tests.ddp_harness import REPO
+from tests.lightning_harness import RecordingModule, fit_recording
 
 
 class Pair(NamedTuple):
@@ -194,6 +195,17 @@ def test_default_collate_stacks_into_the_slots_and_batches_are_delivered_as_thei
     assert 0 < len(_ring_mappings()) <= slots, "slots are reused"
     loader.close()
     _assert_no_ring_left()
+
+
+@needs_shm
+def test_in_a_trainer_fit_every_batch_comes_through_the_ring(tmp_path) -> None:
+    """The slots a worker keeps beyond its in-flight batches (``HELD``) cover the batch in the
+    training step and the one Lightning fetches ahead: none falls back to torch's way."""
+    seen = fit_recording(
+        lambda: ResumableLoader(Images(), batch_size=32, num_workers=2, prefetch_factor=1),
+        tmp_path, max_epochs=2, model=RecordingModule(key=lambda b: _in_ring(b["image"])))
+    assert len(seen) == 2 * 12
+    assert all(in_ring for _, _, in_ring in seen)
 
 
 @needs_shm
