@@ -104,9 +104,7 @@ class RingPacker:
         _ring = _Ring(self.owner, self.slots)
 
     def __call__(self, result: Any) -> Any:
-        if _ring is None:
-            self.install()
-        assert _ring is not None
+        assert _ring is not None, "install() the ring in the worker process first"
         return _ring.pack(result)
 
 
@@ -248,7 +246,6 @@ class _Slot:
     size: int
     view: mmap.mmap
     name: str
-    data: torch.Tensor  # the slot's bytes
 
 
 @dataclass
@@ -263,14 +260,11 @@ class _Arena:
     placed: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
     def empty(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
-        """A new tensor in the slot, or ``None`` when it has no room left. Its storage is its
-        own bytes only: were it ever shared torch's way, torch would move that storage alone
-        to a new segment, not the slot."""
+        """A new tensor in the slot (``_tensor_at``), or ``None`` when it has no room left."""
         nbytes = _nbytes(dtype, shape)
         if not nbytes or self.end + nbytes > len(self.view):
             return None
-        tensor = torch.frombuffer(self.view, dtype=torch.uint8, count=nbytes,
-                                  offset=self.end).view(dtype).view(shape)
+        tensor = _tensor_at(self.view, self.end, dtype, shape)
         self.placed[id(tensor)] = (self.end, tensor)
         self.end += _aligned(nbytes)
         return tensor
@@ -342,8 +336,7 @@ class _Ring:
                 refs.append(tensor)
                 continue
             if place >= start and tensor.nbytes:
-                slot.data[place:place + tensor.nbytes].view(tensor.dtype).view(
-                    tensor.shape).copy_(tensor)
+                _tensor_at(slot.view, place, tensor.dtype, tuple(tensor.shape)).copy_(tensor)
             refs.append((place, tensor.dtype, tuple(tensor.shape)))
         slot.view[0] = 1
         return Packed(payload=buffer.getvalue(), refs=refs, worker_pid=self.pid, slot=index,
@@ -388,7 +381,7 @@ class _Ring:
             return None
         finally:
             os.close(fd)
-        return _Slot(self.generation, size, view, name, torch.frombuffer(view, dtype=torch.uint8))
+        return _Slot(self.generation, size, view, name)
 
     def unlink_all(self) -> None:
         """Unlink this worker's slot names (those the main process has not yet)."""
@@ -444,6 +437,15 @@ def _copy_out(lease: np.ndarray, ref: tuple[int, torch.dtype, tuple[int, ...]]
     if nbytes:
         np.copyto(out.reshape(-1).view(torch.uint8).numpy(), lease[offset:offset + nbytes])
     return out
+
+
+def _tensor_at(view: mmap.mmap, offset: int, dtype: torch.dtype, shape: tuple[int, ...]
+               ) -> torch.Tensor:
+    """A tensor over the ``nbytes`` at ``offset`` in a worker's slot, with a storage of those
+    bytes only: were it ever shared torch's way, torch would move that storage alone to a new
+    segment, not the slot."""
+    return torch.frombuffer(view, dtype=torch.uint8, count=_nbytes(dtype, shape),
+                            offset=offset).view(dtype).view(shape)
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:

@@ -382,7 +382,8 @@ def test_ring_collate_stacks_into_a_slot_that_is_sent_without_a_copy(a_worker_ri
                 "s": f"{i}", "t": (torch.arange(5) + i, i % 2 == 0)} for i in range(32)]
     expected = default_collate(samples)
     got = ring_collate(samples)
-    slot = transport._ring.slots[0].data  # type: ignore[union-attr]
+    slot = torch.frombuffer(transport._ring.slots[0].view,  # type: ignore[union-attr]
+                            dtype=torch.uint8)
     start, end = slot.data_ptr(), slot.data_ptr() + slot.nbytes
     assert all(start <= t.data_ptr() < end and not t.is_shared() for t in (got["x"], got["t"][0]))
     packed = a_worker_ring(got)
