@@ -15,8 +15,10 @@ process (torch's ``ExceptionWrapper``); ``timeout`` raises ``WorkerStalled`` nam
 whose request is due. A thread cannot be killed, so there is no crash to recover from; a
 stalled thread is left to finish its fetch on its own (it is a daemon thread, and stops then).
 
-``AutoChoice`` with a pool measures whether threads pay (``backend="auto"``); see
-``choose_backend``.
+``AutoChoice`` with a pool measures whether threads pay (``backend="auto"``): whether they
+deliver faster than processes could, which ``choose_backend`` estimates from the fetch times
+alone and with every thread busy, the cores the process used meanwhile, and what a batch would
+take to cross from a process.
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ from lightning_loaders.engines.pool import (
     WorkerStalled,
     pin_target,
 )
+from lightning_loaders.engines.transport import transit_s
 
 __all__ = [
-    "KEEP_THREADS_AT",
     "MIN_SPAN_S",
+    "WAITING",
     "AutoChoice",
     "BackendSwitch",
     "ThreadPool",
@@ -57,9 +60,9 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-KEEP_THREADS_AT = 0.85
-"""``backend="auto"`` keeps threads when they reach this fraction of the speed-up that worker
-processes could reach (processes lose about 10% to pickling and inter-process transport)."""
+WAITING = 0.5
+"""Threads whose process used fewer cores than this fraction of their speed-up mostly waited
+(on I/O, sleeps) rather than computed: processes would wait just the same."""
 MIN_SPAN_S = 0.05
 """The shortest concurrent phase whose CPU use ``backend="auto"`` reads (the process's CPU time
 advances in ticks of a few milliseconds: a shorter span would say little)."""
@@ -95,36 +98,48 @@ class BackendSwitch(WorkerLost):
 
 
 def choose_backend(serial_s: list[float], concurrent_s: list[float], num_workers: int,
-                   cores: int, parallelism: float | None = None) -> str:
-    """``"thread"`` or ``"process"`` from fetch times measured on threads.
+                   cores: int, parallelism: float | None = None, transit_s: float = 0.0) -> str:
+    """``"thread"`` or ``"process"``: whichever delivers batches faster, from fetch times
+    measured on threads.
 
     ``serial_s`` are the wall times of fetches that ran alone, ``concurrent_s`` of fetches
-    that ran with all threads busy. Work that holds the GIL takes about ``num_workers`` times
-    longer when the threads run at once; work that releases it (or waits on I/O) takes about
-    as long. The threads' speed-up is ``num_workers * median(serial) / median(concurrent)``;
-    processes could at best reach ``min(num_workers, cores)``. Threads are kept when they
-    reach ``KEEP_THREADS_AT`` of that, or when ``parallelism`` (this process's CPU seconds per
-    wall second while all threads fetched; ``None``: unknown) does: then the threads ran on
-    that many cores at once, and fetches were slowed by the cores being shared (with the
-    training loop or other processes, as processes would share them), not by the GIL, under
-    which the process uses about one core.
+    that ran with all threads busy; ``parallelism`` is this process's CPU seconds per wall
+    second meanwhile (``None``: unknown), ``transit_s`` what a batch would take to cross from
+    a worker process (``transport.transit_s``).
+
+    - Threads speed fetching up ``num_workers * median(serial) / median(concurrent)`` times:
+      work that holds the GIL takes about ``num_workers`` times longer when the threads run
+      at once, work that releases it (or waits) about as long.
+    - Threads that used fewer cores than ``WAITING`` of that speed-up mostly waited: they are
+      kept, as processes would wait the same. Otherwise they computed, and ran no faster than
+      the cores they kept busy: their speed-up is at most ``parallelism``.
+    - Processes deliver a batch every ``serial / min(num_workers, cores) + transit_s`` at
+      best; threads are kept when they reach that speed. A tie goes to processes: no probe
+      sees the GIL's friction on delivery, or the threads' share of ``parallelism`` that is
+      spinning.
     """
     serial, concurrent = statistics.median(serial_s), statistics.median(concurrent_s)
-    target = KEEP_THREADS_AT * min(num_workers, cores)
-    if concurrent <= 0 or (parallelism is not None and parallelism >= target):
+    if concurrent <= 0 or serial <= 0:
         return "thread"
-    return "thread" if num_workers * serial / concurrent >= target else "process"
+    threads = num_workers * serial / concurrent
+    if parallelism is not None:
+        if parallelism < WAITING * threads:
+            return "thread"
+        threads = min(threads, parallelism)
+    processes = serial / (serial / min(num_workers, cores) + transit_s)
+    return "thread" if threads > processes else "process"
 
 
 @dataclass
 class AutoChoice:
     """``backend="auto"``'s measurement and decision, kept by the loader across pools.
 
-    The first ``probe`` fetches run one at a time (``serial``), the next ``probe`` with every
-    thread busy (``concurrent``); then ``choose_backend`` decides, once for the loader's life,
-    also from the process's CPU seconds per wall second over the concurrent phase
-    (``parallelism``, when that phase lasted at least ``min_span_s``). ``backend`` is ``None``
-    until then. ``probe`` defaults to twice the number of workers.
+    The first ``probe`` fetches run one at a time (``serial``, each result's ``transit_s``
+    timed meanwhile), the next ``probe`` with every thread busy (``concurrent``); then
+    ``choose_backend`` decides, once for the loader's life, also from the process's CPU seconds
+    per wall second over the concurrent phase (``parallelism``, when that phase lasted at least
+    ``min_span_s``). ``backend`` is ``None`` until then. ``probe`` defaults to twice the number
+    of workers.
     """
 
     num_workers: int
@@ -132,6 +147,7 @@ class AutoChoice:
     backend: str | None = None
     serial: list[float] = field(default_factory=list)
     concurrent: list[float] = field(default_factory=list)
+    transit: list[float] = field(default_factory=list)
     parallelism: float | None = None
     min_span_s: float = MIN_SPAN_S
     _phase_start: tuple[float, float] | None = field(default=None, init=False, repr=False)
@@ -143,11 +159,14 @@ class AutoChoice:
     def serial_phase(self) -> bool:
         return self.backend is None and len(self.serial) < self.probe
 
-    def record(self, serial: bool, wall_s: float) -> None:
-        """Note one fetch's wall time; decide once both phases are measured."""
+    def record(self, serial: bool, wall_s: float, result: Any) -> None:
+        """Note one fetch's wall time (and, alone, what its ``result`` would take to cross
+        from a process); decide once both phases are measured."""
         if self.backend is not None:
             return
         (self.serial if serial else self.concurrent).append(wall_s)
+        if serial and not isinstance(result, torch_data_utils.ExceptionWrapper):
+            self.transit.append(transit_s(result))
         if serial and len(self.serial) == self.probe:  # the concurrent phase starts
             self._phase_start = (time.perf_counter(), time.process_time())
         if len(self.concurrent) >= self.probe:
@@ -155,12 +174,14 @@ class AutoChoice:
                 wall = time.perf_counter() - self._phase_start[0]
                 if wall >= self.min_span_s:
                     self.parallelism = (time.process_time() - self._phase_start[1]) / wall
+            transit = statistics.median(self.transit) if self.transit else 0.0
             self.backend = choose_backend(self.serial, self.concurrent, self.num_workers,
-                                          available_cpus(), self.parallelism)
+                                          available_cpus(), self.parallelism, transit)
             used = "unknown" if self.parallelism is None else f"{self.parallelism:.2f}"
             _log.info("backend='auto' chose %s workers (fetch times alone %s s, all threads "
-                      "busy %s s, CPU seconds per second meanwhile: %s)", self.backend,
-                      _rounded(self.serial), _rounded(self.concurrent), used)
+                      "busy %s s, CPU seconds per second meanwhile: %s, a batch's crossing "
+                      "from a process: %.4f s)", self.backend, _rounded(self.serial),
+                      _rounded(self.concurrent), used, transit)
 
 
 def _rounded(values: list[float]) -> list[float]:
@@ -363,7 +384,7 @@ class _ThreadIterator(PoolIterator):
             serial = result.number in self._serial
             self._serial.discard(result.number)
             if pool.auto is not None:
-                pool.auto.record(serial, result.wall_s)
+                pool.auto.record(serial, result.wall_s, result.data)
             return Arrival(result.number, result.data)
 
     def _check_alive(self) -> None:

@@ -33,9 +33,11 @@ process and a worker together can leave a named slot behind.
 from __future__ import annotations
 
 import io
+import math
 import mmap
 import os
 import pickle
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -48,13 +50,19 @@ import torch
 from torch.utils.data import default_collate
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
-__all__ = ["MAX_SLOT_BYTES", "SHM_DIR", "Packed", "RingPacker", "RingReader", "ring_collate",
-           "ring_files", "worker_collate"]
+__all__ = ["MAX_SLOT_BYTES", "SHM_DIR", "TRANSIT_BATCH_S", "TRANSIT_TENSOR_S", "Packed",
+           "RingPacker", "RingReader", "ring_collate", "ring_files", "transit_s", "worker_collate"]
 
 SHM_DIR = "/dev/shm"
 MAX_SLOT_BYTES = 256 << 20
 """The largest slot a worker makes: a larger result goes torch's way (a ring of such slots
 would hold gigabytes of shared memory between batches)."""
+TRANSIT_BATCH_S = 150e-6
+"""What a batch costs to cross from a worker process, whatever it holds: the request and the
+result through the pipes, the wake-ups, the slot's lease (per-batch wall time of 2 worker
+processes over a loader in the main process, on tiny batches of this 2-core VM)."""
+TRANSIT_TENSOR_S = 13e-6
+"""What each tensor of a batch adds to ``TRANSIT_BATCH_S`` (its place in the slot, its view)."""
 _PREFIX = "ll_ring"
 _HEADER = 64  # bytes before a slot's data: byte 0 is 1 while the slot carries a result
 _ALIGN = 64
@@ -130,6 +138,21 @@ def worker_collate(collate_fn: Callable[[list[Any]], Any] | None, ring: bool
     if collate_fn is not None and collate_fn is not default_collate:
         return collate_fn
     return ring_collate if ring else default_collate
+
+
+def transit_s(result: Any) -> float:
+    """Estimated seconds ``result`` takes to cross from a worker process through its ring:
+    ``TRANSIT_BATCH_S``, ``TRANSIT_TENSOR_S`` per tensor, and pickling and unpickling what is
+    not a tensor (timed here; unpickling as long as pickling). ``math.inf`` when it does not
+    pickle: no process could send it."""
+    start = time.perf_counter()
+    pickler = _Pickler(io.BytesIO())
+    try:
+        pickler.dump(result)
+    except Exception:
+        return math.inf
+    pickled = time.perf_counter() - start
+    return TRANSIT_BATCH_S + TRANSIT_TENSOR_S * len(pickler.tensors) + 2 * pickled
 
 
 def _collated_bytes(samples: list[Any]) -> int:

@@ -67,16 +67,16 @@ class ResumableLoader(WorkerLoader):
             the trials. Iterable datasets need known shard lengths (canonical partitions).
         snapshot_every_n_steps: accepted for ``torchdata``'s ``StatefulDataLoader`` code and
             ignored: the state is exact at every step, and costs nothing to take.
-        backend: what the ``num_workers`` workers are. ``"process"`` (default): torch's
-            worker processes. ``"thread"``: threads of this process, with nothing pickled or
-            sent between processes; they run in parallel where fetching releases the GIL (PIL,
-            numpy, torch ops, file reads). ``"auto"``: threads first; the first
-            ``2 * num_workers`` fetches run one at a time, the next ``2 * num_workers`` with
-            every thread busy, and threads are kept when ``num_workers * median(alone) /
-            median(busy)`` reaches 85% of ``min(num_workers, cores)`` (what processes could
-            reach), or the process's CPU seconds per second while they were busy do (the
-            threads shared the cores, not the GIL), else the loader switches to processes at
-            the next batch, from the cursor
+        backend: what the ``num_workers`` workers are. ``"process"`` (default): worker
+            processes, sending batches through shared-memory rings. ``"thread"``: threads of
+            this process, with nothing pickled or sent between processes; they run in parallel
+            where fetching releases the GIL (PIL, numpy, torch ops, file reads). ``"auto"``:
+            threads first; the first ``2 * num_workers`` fetches run one at a time (each
+            batch's crossing from a process estimated meanwhile), the next ``2 * num_workers``
+            with every thread busy; threads are kept where they mostly waited (I/O) or beat
+            what processes could reach, a batch every ``fetch / min(num_workers, cores) +
+            crossing`` (``engines.threads.choose_backend``), else the loader switches to
+            processes at the next batch, from the cursor
             (a dataset that cannot be pickled stays on threads); ``backend_in_use`` says which
             runs. The stream, ``sample_rng()`` and the state are the same for every backend
             (a state saved under one resumes under another). Under threads,

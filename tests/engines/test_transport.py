@@ -6,6 +6,7 @@ never overwritten while the user holds them; and no slot outlives its loader and
 from __future__ import annotations
 
 import gc
+import math
 import os
 import signal
 import subprocess
@@ -23,10 +24,13 @@ from torch.utils.data import Dataset, IterableDataset, default_collate
 from lightning_loaders import ResumableLoader
 from lightning_loaders.engines import transport
 from lightning_loaders.engines.transport import (
+    TRANSIT_BATCH_S,
+    TRANSIT_TENSOR_S,
     RingPacker,
     RingReader,
     ring_collate,
     ring_files,
+    transit_s,
 )
 from lightning_loaders.engines.workers import HELD
 from lightning_loaders.testing import check_resume_at_every_step, run_epochs
@@ -413,3 +417,14 @@ def test_ring_collate_outside_a_worker_is_default_collate() -> None:
     samples = [torch.arange(8) + i for i in range(4)]
     assert torch.equal(ring_collate(samples), default_collate(samples))
     assert not ring_collate(samples).is_shared()
+
+
+def test_a_batchs_crossing_is_estimated_from_its_tensors_and_what_else_it_pickles() -> None:
+    """``backend="auto"`` weighs this against the fetch time: a fixed cost per batch and per
+    tensor, whatever their size, plus the pickling of everything else (timed)."""
+    images = {"image": torch.zeros(32, 3, 128, 128, dtype=torch.uint8), "label": torch.ones(32)}
+    assert transit_s(images) >= TRANSIT_BATCH_S + 2 * TRANSIT_TENSOR_S
+    assert transit_s([torch.ones(1) for _ in range(10)]) >= TRANSIT_BATCH_S + 10 * TRANSIT_TENSOR_S
+    paths = {"label": torch.ones(32), "path": [f"/data/{i:09d}/" * 8 for i in range(100_000)]}
+    assert transit_s(paths) > 10 * transit_s(images)  # 10 MB to pickle, not to place
+    assert transit_s([lambda: None]) == math.inf  # no process could send it

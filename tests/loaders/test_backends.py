@@ -331,7 +331,7 @@ def test_the_backend_is_checked_and_shown() -> None:
 
 def test_auto_switching_to_processes_mid_epoch_keeps_the_stream(
         monkeypatch: pytest.MonkeyPatch, map_reference: dict[str, list[list[Any]]]) -> None:
-    monkeypatch.setattr(threads, "KEEP_THREADS_AT", 1e9)  # processes always win
+    monkeypatch.setattr(threads, "choose_backend", lambda *_: "process")
     loader = _map_loader("auto", 2)
     assert _epochs(loader) == map_reference["batched"]
     assert loader.backend_in_use == "process" and loader.worker_restarts == 0
