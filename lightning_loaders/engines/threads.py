@@ -348,14 +348,21 @@ class _ThreadIterator(PoolIterator):
         self._send()
 
     def _check(self) -> None:
+        """After ``backend="auto"`` chose processes, once the requests the threads had in hand
+        are delivered (none is fetched twice), raise ``BackendSwitch``."""
         super()._check()
-        auto = self._pool.auto
-        if auto is not None and auto.backend == "process":
+        if self._switching() and not self._pending and not self._done:
             raise BackendSwitch("process")
 
     def _window(self) -> int:
         auto = self._pool.auto
-        return 1 if auto is not None and auto.serial_phase else self._limit
+        if auto is not None and auto.serial_phase:
+            return 1
+        return 0 if self._switching() else self._limit
+
+    def _switching(self) -> bool:
+        auto = self._pool.auto
+        return auto is not None and auto.backend == "process"
 
     def _put(self, worker: int, number: int, request: Any) -> None:
         workers = self._pool._workers

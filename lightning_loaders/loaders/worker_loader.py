@@ -125,7 +125,7 @@ class WorkerLoader(DeliveryCore):
         if self._autotuner is None:
             return iterator
         return TunedDelivery(iterator, self._autotuner, self._run_setting, self._batches_left,
-                             self._untunable, settled=lambda: self.backend_in_use is not None)
+                             self._untunable, settled=self._settled)
 
     @property
     def autotune(self) -> Tuning | None:
@@ -175,6 +175,13 @@ class WorkerLoader(DeliveryCore):
     def _untunable(self) -> str | None:
         """Why no worker count could change this loader's speed (``None``: it can)."""
         return None
+
+    def _settled(self) -> bool:
+        """Whether the workers are what they will stay: ``backend="auto"`` has chosen, and
+        the threads it leaves have delivered what they had in hand."""
+        backend = self.backend_in_use
+        return backend is not None and not (backend == "process"
+                                            and isinstance(self._pool, ThreadPool))
 
     def _batches_left(self) -> int | None:
         """Batches left in the current epoch on this rank (``None``: unknown)."""

@@ -203,12 +203,19 @@ def test_auto_measures_fetches_alone_then_all_threads_busy() -> None:
     pool.close()
 
 
-def test_auto_raises_backend_switch_after_choosing_processes() -> None:
+def test_after_choosing_processes_the_threads_deliver_what_they_have_then_switch() -> None:
+    """Nothing the threads fetched is thrown away: no new request goes to them, the ones in
+    hand are delivered in order, then ``BackendSwitch`` (processes go on from the cursor)."""
+    fetcher = Recorder()
     auto = AutoChoice(2, probe=1)
-    pool = ThreadPool(Recorder(), range(10), num_workers=2, auto=auto)
+    pool = ThreadPool(fetcher, range(10), num_workers=2, prefetch_factor=2, auto=auto)
     it = iter(pool)
-    next(it)
+    delivered = [next(it)[0] for _ in range(2)]  # the probe's two phases, one batch each
     auto.backend = "process"
+    in_hand = set(it._pending) | set(it._done)
+    assert in_hand, "the concurrent window was open when processes were chosen"
     with pytest.raises(BackendSwitch):
-        next(it)
+        while True:
+            delivered.append(next(it)[0])
+    assert delivered == list(range(2 + len(in_hand))) and it._sent == len(delivered)
     pool.close()

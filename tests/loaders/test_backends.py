@@ -342,6 +342,34 @@ def test_auto_switching_to_processes_mid_epoch_keeps_the_stream(
     assert iterable.backend_in_use == "process"
 
 
+class Counted(RngDataset):
+    """Keeps the indices fetched in this process (by threads; a worker process keeps its own
+    copy of the list), and says in each sample whether a thread fetched it."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.fetched: list[int] = []
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        self.fetched.append(index)
+        return {**super().__getitem__(index), "thread": threads.thread_worker() is not None}
+
+
+def test_auto_switching_to_processes_throws_away_nothing_the_threads_fetched(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(threads, "choose_backend", lambda *_: "process")
+    dataset = Counted(80)
+    loader = ResumableLoader(dataset, batch_size=4, shuffle=True, seed=5, num_workers=2,
+                             backend="auto")
+    samples = [(int(i), bool(t)) for batch in loader
+               for i, t in zip(batch["index"], batch["thread"], strict=True)]
+    loader.close()
+    assert loader.backend_in_use == "process" and sorted(i for i, _ in samples) == list(range(80))
+    from_threads = [i for i, thread in samples if thread]
+    assert 4 * 2 * 2 <= len(from_threads) < 80  # the probe's batches, then processes
+    assert sorted(dataset.fetched) == sorted(from_threads)  # every fetch by a thread delivered
+
+
 def test_auto_keeps_threads_for_work_that_releases_the_gil(
         map_reference: dict[str, list[list[Any]]]) -> None:
     loader = _map_loader("auto", 2, slow=1)  # every sample sleeps: threads overlap fully
