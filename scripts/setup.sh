@@ -21,10 +21,20 @@ if [ ${#missing_apt[@]} -gt 0 ]; then
 fi
 
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
-"${pip[@]}" --upgrade pip setuptools wheel
+pip=(.venv/bin/python -m pip install -q --disable-pip-version-check --retries 10 --timeout 60)
+# A dropped connection mid-download (DALI's wheel is ~420 MB) is retried from scratch, up to 3 times.
+retry() {
+  local attempt
+  for attempt in 1 2 3; do
+    "$@" && return 0
+    echo "setup: attempt $attempt of: $* failed" >&2
+    [ "$attempt" -lt 3 ] && sleep $((attempt * 15))
+  done
+  return 1
+}
+retry "${pip[@]}" --upgrade pip setuptools wheel
 # A CPU build of torch 2.13.0 where one is available, so no multi-GB CUDA build is pulled.
 "${pip[@]}" "torch==2.13.0" || echo "setup: torch==2.13.0 unavailable; pip resolves torch>=2.4 instead" >&2
 # numpy, cython and pkgconfig must be present before FFCV's source build starts.
-"${pip[@]}" numpy cython pkgconfig
-"${pip[@]}" --no-build-isolation -e ".[dev,dali,ffcv]"
+retry "${pip[@]}" numpy cython pkgconfig
+retry "${pip[@]}" --no-build-isolation -e ".[dev,dali,ffcv]"
