@@ -472,7 +472,7 @@ def _tensor_at(view: mmap.mmap, offset: int, dtype: torch.dtype, shape: tuple[in
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    return math.prod(shape) * dtype.itemsize
 
 
 def _aligned(nbytes: int) -> int:
