@@ -5,7 +5,9 @@ num_workers=N)`` stands: it iterates the requests, has its ``N`` workers run
 ``fetcher[request]`` and delivers the results in request order, or, with ``in_order=False``,
 as they finish. ``PoolIterator`` is that pass: torch's round-robin (worker ``w`` gets requests
 ``w``, ``w + N``, ... in order; out of order, the next worker in the round with fewer than
-``prefetch_factor`` in hand), at most ``num_workers * prefetch_factor`` requests in flight,
+``prefetch_factor`` in hand; in order over a ``balanced`` pool, whose requests any worker can
+answer, the next worker in the round with the fewest in hand), at most
+``num_workers * prefetch_factor`` requests in flight,
 requests held back while the requests iterator's ``ready()`` says so (out-of-order delivery
 never runs further ahead of the first undelivered batch than the in-flight window), and a
 worker's exception re-raised in the caller (torch's ``ExceptionWrapper``). Subclasses move
@@ -81,6 +83,7 @@ class Pool(Protocol):
     num_workers: int
     prefetch_factor: int
     in_order: bool
+    balanced: bool
     persistent_workers: bool
     timeout: float
     _generation: int
@@ -99,6 +102,7 @@ class PoolIterator(Iterator[Any]):
         self._ready: Callable[[], bool] | None = getattr(self._requests, "ready", None)
         num_workers, self._prefetch = pool.num_workers, pool.prefetch_factor
         self._num_workers, self._in_order = num_workers, pool.in_order
+        self._balanced = pool.balanced
         self._limit = num_workers * self._prefetch
         self._cycle = itertools.cycle(range(num_workers))
         self._per_worker = [0] * num_workers
@@ -192,10 +196,19 @@ class PoolIterator(Iterator[Any]):
 
     def _next_worker(self) -> int:
         """torch's choice: round-robin; with ``in_order=False``, the next worker in the round
-        with fewer than ``prefetch_factor`` requests in hand."""
+        with fewer than ``prefetch_factor`` requests in hand.
+
+        In order over a ``balanced`` pool, the next worker in the round with the fewest in
+        hand: a worker that runs ahead (its core less taken by the main process) takes more
+        requests, where round-robin would leave it waiting for the slower one's result to free
+        the in-flight window (2-4% of a 2-core epoch, ``benchmarks/README.md``)."""
+        counts = self._per_worker
+        if self._in_order and not self._balanced:
+            return next(self._cycle)
+        most = min(counts) if self._in_order else self._prefetch - 1  # in hand, to be chosen
         for _ in range(self._num_workers):
             w = next(self._cycle)
-            if self._in_order or self._per_worker[w] < self._prefetch:
+            if counts[w] <= most:
                 return w
         return w
 

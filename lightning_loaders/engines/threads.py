@@ -207,13 +207,14 @@ class _Worker(NamedTuple):
 
 
 class ThreadPool:
-    """The thread counterpart of torch's ``DataLoader`` over a fetcher (module docstring)."""
+    """The thread counterpart of torch's ``DataLoader`` over a fetcher (module docstring);
+    ``balanced``: any worker can answer any request (``pool.PoolIterator._next_worker``)."""
 
     def __init__(self, fetcher: Any, sampler: Any, *, num_workers: int,
                  prefetch_factor: int | None = None,
                  worker_init_fn: Callable[[int], None] | None = None, pin_memory: bool = False,
-                 timeout: float = 0, in_order: bool = True, persistent_workers: bool = True,
-                 auto: AutoChoice | None = None) -> None:
+                 timeout: float = 0, in_order: bool = True, balanced: bool = False,
+                 persistent_workers: bool = True, auto: AutoChoice | None = None) -> None:
         if num_workers < 1:
             raise ValueError(f"a ThreadPool needs num_workers >= 1, got {num_workers}")
         self.fetcher = fetcher
@@ -223,6 +224,7 @@ class ThreadPool:
         self.worker_init_fn = worker_init_fn
         self.timeout = timeout
         self.in_order = in_order
+        self.balanced = balanced
         self.persistent_workers = persistent_workers
         self.auto = auto
         device = pin_target(pin_memory)

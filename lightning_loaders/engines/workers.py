@@ -79,14 +79,15 @@ class ProcessPool:
     ``persistent_workers=False``; ``close()`` stops them. ``ring`` sends results through
     shared-memory rings of ``prefetch_factor + HELD`` slots per worker. ``seed`` is the workers'
     base seed: worker ``w`` seeds its RNGs from ``seed + w``, as torch's workers do.
+    ``balanced``: any worker can answer any request (``pool.PoolIterator._next_worker``).
     """
 
     def __init__(self, fetcher: Any, sampler: Any, *, num_workers: int, seed: int,
                  prefetch_factor: int | None = None,
                  worker_init_fn: Callable[[int], None] | None = None, pin_memory: bool = False,
                  pin_memory_device: str = "", timeout: float = 0, in_order: bool = True,
-                 persistent_workers: bool = True, multiprocessing_context: Any = None,
-                 ring: bool = True) -> None:
+                 balanced: bool = False, persistent_workers: bool = True,
+                 multiprocessing_context: Any = None, ring: bool = True) -> None:
         if num_workers < 1:
             raise ValueError(f"a ProcessPool needs num_workers >= 1, got {num_workers}")
         self.fetcher = fetcher
@@ -98,6 +99,7 @@ class ProcessPool:
         self.pin = pin_target(pin_memory, pin_memory_device)
         self.timeout = timeout
         self.in_order = in_order
+        self.balanced = balanced
         self.persistent_workers = persistent_workers
         context = multiprocessing_context
         if context is None or isinstance(context, str):

@@ -381,7 +381,7 @@ class MapStyleLoader(ResumableLoader):
         fetcher = self._fetcher() if self.in_order else self._fetcher().numbering()
         limit = 0 if self.in_order else self.num_workers * (self.prefetch_factor or 2)
         return self._worker_pool(fetcher, _RequestSampler(self.schedule, self._window, limit),
-                                 self.prefetch_factor)
+                                 self.prefetch_factor, balanced=True)
 
     # -- configuration ----------------------------------------------------------------------
 

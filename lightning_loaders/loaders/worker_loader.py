@@ -199,10 +199,13 @@ class WorkerLoader(DeliveryCore):
         return [f"backend='auto' ({self.backend_in_use or 'measuring'})"]
 
     def _worker_pool(self, fetcher: Dataset[Any], sampler: Sampler[Any],
-                     prefetch_factor: int | None) -> ProcessPool | ThreadPool | InProcess:
+                     prefetch_factor: int | None, *, balanced: bool = False
+                     ) -> ProcessPool | ThreadPool | InProcess:
         """The pool that answers ``sampler``'s requests with ``fetcher``: worker processes,
         threads, or the calling thread without workers (kept, with persistent workers, until
-        ``close()``)."""
+        ``close()``). ``balanced``: any worker can answer any request, so the workers with the
+        fewest in hand get the next ones (a slot's requests go to its own worker, which keeps
+        its reader)."""
         if self.backend == "auto" and self._auto is None and self.num_workers > 0:
             self._auto = AutoChoice(self.num_workers)
         threads = self.num_workers > 0 and self.backend_in_use != "process"
@@ -213,7 +216,7 @@ class WorkerLoader(DeliveryCore):
                 worker_init_fn=_WorkerStart(self.worker_init_fn, self.num_workers, rank,
                                             world_size, self.schedule.epoch or 0, self.seed),
                 pin_memory=self.pin_memory, timeout=self.timeout, in_order=self.in_order,
-                persistent_workers=self.persistent_workers,
+                balanced=balanced, persistent_workers=self.persistent_workers,
                 auto=self._auto if self.backend_in_use is None else None)
         if self._pool is None and self.num_workers == 0:
             self._pool = InProcess(fetcher, sampler,
@@ -226,7 +229,7 @@ class WorkerLoader(DeliveryCore):
                 worker_init_fn=_WorkerStart(self.worker_init_fn, self.num_workers, rank,
                                             world_size, self.schedule.epoch or 0, self.seed),
                 pin_memory=self.pin_memory, pin_memory_device=self.pin_memory_device,
-                timeout=self.timeout, in_order=self.in_order,
+                timeout=self.timeout, in_order=self.in_order, balanced=balanced,
                 persistent_workers=self.persistent_workers,
                 multiprocessing_context=self.multiprocessing_context, ring=self.shared_ring)
         return self._pool

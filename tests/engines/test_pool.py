@@ -1,7 +1,8 @@
 """Both worker pools keep torch's worker contract: results in request order from round-robin
-workers, at most ``num_workers * prefetch_factor`` requests in flight, out-of-order delivery
-held to ``ready()``, a worker's exception re-raised with its type, a failing
-``worker_init_fn`` failing that worker's requests, and a late worker named."""
+workers (a balanced pool's from the workers with the fewest in hand), at most
+``num_workers * prefetch_factor`` requests in flight, out-of-order delivery held to
+``ready()``, a worker's exception re-raised with its type, a failing ``worker_init_fn``
+failing that worker's requests, and a late worker named."""
 
 from __future__ import annotations
 
@@ -55,6 +56,37 @@ def test_results_come_in_request_order_from_round_robin_workers(kind: str, worke
         assert [r for r, _ in got] == list(range(20))
         assert [w for _, w in got] == [r % workers for r in range(20)]  # torch's round-robin
     pool.close()
+
+
+class Uneven:
+    """``fetcher[r]`` is ``(r, the worker's id)``; worker 0 takes ``delay`` seconds a fetch,
+    the others none."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def __getitem__(self, request: int) -> tuple[int, int]:
+        me = worker_id()
+        if me == 0:
+            time.sleep(self.delay)
+        return request, me
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_balanced_pool_gives_the_next_requests_to_the_workers_with_fewest_in_hand(
+        kind: str) -> None:
+    """In order, round-robin splits the requests evenly whatever the workers' speeds; a
+    balanced pool (requests any worker can answer) gives the slow worker fewer, and delivers
+    the same results in the same order."""
+    served = {}
+    for balanced in (False, True):
+        pool = make_pool(kind, Uneven(0.02), range(40), num_workers=2, balanced=balanced)
+        got = list(pool)
+        pool.close()
+        assert [r for r, _ in got] == list(range(40))
+        served[balanced] = [w for _, w in got].count(0)
+    assert served[False] == 20
+    assert served[True] < served[False] - 2, served
 
 
 class Taken:
