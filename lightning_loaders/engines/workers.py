@@ -32,6 +32,7 @@ import fcntl
 import multiprocessing
 import os
 import random
+import select
 import time
 import weakref
 from collections.abc import Callable
@@ -232,8 +233,14 @@ class _ProcessIterator(PoolIterator):
     def __init__(self, pool: ProcessPool, generation: int) -> None:
         super().__init__(pool, generation)
         self._pool: ProcessPool = pool
-        self._pipes = [worker.results for worker in pool.workers]
-        self._sentinels = [worker.process.sentinel for worker in pool.workers]
+        # the result pipes, and the exit sentinels (None), by file descriptor, polled together
+        self._watched: dict[int, Connection | None] = {}
+        self._poll = select.poll()
+        for worker in pool.workers:
+            for fd, pipe in ((worker.results.fileno(), worker.results),
+                             (worker.process.sentinel, None)):
+                self._watched[fd] = pipe
+                self._poll.register(fd, select.POLLIN)
         self._send()
 
     def _put(self, worker: int, number: int, request: Any) -> None:
@@ -246,14 +253,15 @@ class _ProcessIterator(PoolIterator):
         """The next result of this iterator's requests, waiting at most ``timeout``."""
         pool = self._pool
         deadline = self._deadline()
-        pipes, sentinels = self._pipes, self._sentinels
+        watched = self._watched
         while True:
             pool._check_started()
-            ready = wait([*pipes, *sentinels], timeout=self._wait_s(deadline))
-            if any(sentinel in ready for sentinel in sentinels):
+            ready = [watched[fd] for fd, _ in self._poll.poll(self._wait_s(deadline) * 1000)]
+            if None in ready:  # a worker exited
                 raise WorkerLost(pool._dead(grace_s=DEATH_GRACE_S))
             for pipe in ready:
-                message = self._receive(pipe)  # type: ignore[arg-type]
+                assert pipe is not None
+                message = self._receive(pipe)
                 if message is not None:
                     return message
             if deadline is not None and time.monotonic() >= deadline:
@@ -301,8 +309,10 @@ def _serve(setup: _Setup, fetcher: Any, packer: RingPacker | None,
         if packer is not None:
             packer.install()
         where = f"in DataLoader worker process {w}"
+        watch = select.poll()  # kept: Connection.poll() builds a selector per call
+        watch.register(requests.fileno(), select.POLLIN)
         while True:
-            while not requests.poll(WATCH_S):
+            while not watch.poll(WATCH_S * 1000):
                 if os.getppid() != setup.parent:
                     return
             message = requests.recv()
