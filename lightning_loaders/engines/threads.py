@@ -135,11 +135,11 @@ class AutoChoice:
     """``backend="auto"``'s measurement and decision, kept by the loader across pools.
 
     The first ``probe`` fetches run one at a time (``serial``, each result's ``transit_s``
-    timed meanwhile), the next ``probe`` with every thread busy (``concurrent``); then
-    ``choose_backend`` decides, once for the loader's life, also from the process's CPU seconds
-    per wall second over the concurrent phase (``parallelism``, when that phase lasted at least
-    ``min_span_s``). ``backend`` is ``None`` until then. ``probe`` defaults to twice the number
-    of workers.
+    timed meanwhile), the next ``probe`` with every thread busy on one request (``concurrent``);
+    then ``choose_backend`` decides, once for the loader's life, also from the process's CPU
+    seconds per wall second over the concurrent phase (``parallelism``, when that phase lasted
+    at least ``min_span_s``). ``backend`` is ``None`` until then. ``probe`` defaults to twice
+    the number of workers.
     """
 
     num_workers: int
@@ -357,9 +357,11 @@ class _ThreadIterator(PoolIterator):
             raise BackendSwitch("process")
 
     def _window(self) -> int:
+        """While ``backend="auto"`` measures: one request at a time, then one per thread (each
+        busy, and no more left to drain should processes win); after it chose processes, none."""
         auto = self._pool.auto
-        if auto is not None and auto.serial_phase:
-            return 1
+        if auto is not None and auto.backend is None:
+            return 1 if auto.serial_phase else self._num_workers
         return 0 if self._switching() else self._limit
 
     def _switching(self) -> bool:

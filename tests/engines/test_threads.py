@@ -203,6 +203,22 @@ def test_auto_measures_fetches_alone_then_all_threads_busy() -> None:
     pool.close()
 
 
+def test_while_auto_measures_the_threads_hold_one_request_each() -> None:
+    """Alone, one request is out at a time; with every thread busy, one per thread, not
+    ``prefetch_factor`` each (few are left to drain should processes win); once threads are
+    chosen, the whole window."""
+    auto = AutoChoice(2)
+    pool = ThreadPool(Recorder(0.01), range(24), num_workers=2, prefetch_factor=3, auto=auto)
+    it = iter(pool)
+    out: dict[str, int] = {"alone": 0, "busy": 0, "chosen": 0}
+    for _ in it:
+        phase = ("alone" if auto.serial_phase else "busy") if auto.backend is None else "chosen"
+        out[phase] = max(out[phase], len(it._pending) + len(it._done))
+    assert auto.backend == "thread"  # sleeping releases the GIL
+    assert out == {"alone": 1, "busy": 2, "chosen": 2 * 3}
+    pool.close()
+
+
 def test_after_choosing_processes_the_threads_deliver_what_they_have_then_switch() -> None:
     """Nothing the threads fetched is thrown away: no new request goes to them, the ones in
     hand are delivered in order, then ``BackendSwitch`` (processes go on from the cursor)."""
