@@ -202,9 +202,9 @@ class PoolIterator(Iterator[Any]):
         hand: a worker that runs ahead (its core less taken by the main process) takes more
         requests, where round-robin would leave it waiting for the slower one's result to free
         the in-flight window (2-4% of a 2-core epoch, ``benchmarks/README.md``)."""
-        counts = self._per_worker
         if self._in_order and not self._balanced:
             return next(self._cycle)
+        counts = self._per_worker
         most = min(counts) if self._in_order else self._prefetch - 1  # in hand, to be chosen
         for _ in range(self._num_workers):
             w = next(self._cycle)

@@ -35,8 +35,9 @@ class BatchRequest(NamedTuple):
     indices: np.ndarray
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        """Pickled with its arrays as raw bytes: a third of the time numpy's own pickling takes
-        (14 against 5 us here), on each request a worker process gets."""
+        """Pickled with its arrays as raw bytes: about half the time numpy's own pickling
+        takes (10.5 against 19.6 us to pickle and unpickle 32 samples' request here), on each
+        request a worker process gets."""
         arrays = (self.sample_epochs, self.positions, self.indices)
         return _batch_request, (self.epoch, self.batch, self.rank,
                                 *((a.dtype.str, a.shape, a.tobytes()) for a in arrays))
@@ -45,9 +46,9 @@ class BatchRequest(NamedTuple):
 def _batch_request(epoch: int, batch: int, rank: int,
                    *arrays: tuple[str, tuple[int, ...], bytes]) -> BatchRequest:
     """A pickled ``BatchRequest`` again, its arrays writable, as unpickled ones are."""
-    se, positions, indices = (np.frombuffer(bytearray(data), dtype).reshape(shape)
-                              for dtype, shape, data in arrays)
-    return BatchRequest(epoch, batch, rank, se, positions, indices)
+    sample_epochs, positions, indices = (np.frombuffer(bytearray(data), dtype).reshape(shape)
+                                         for dtype, shape, data in arrays)
+    return BatchRequest(epoch, batch, rank, sample_epochs, positions, indices)
 
 
 class Cursor(NamedTuple):
