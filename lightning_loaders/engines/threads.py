@@ -23,12 +23,14 @@ take to cross from a process.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import statistics
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -253,6 +255,7 @@ class ThreadPool:
         """Stop the threads and wait for them (a thread finishes the fetch it is in first; one
         reported stalled is left to finish on its own)."""
         workers, self._workers = self._workers, None
+        _LIVE.discard(self)
         if workers is None:
             return
         _stop(workers)
@@ -284,8 +287,23 @@ class ThreadPool:
                       self.worker_init_fn, self._pin))
             workers.append(_Worker(thread, inbox))
         self._workers = workers
+        _LIVE.add(self)
         for worker in workers:
             worker.thread.start()
+
+
+_LIVE: weakref.WeakSet[ThreadPool] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_pools() -> None:
+    """Stop and join the threads of the pools still running when the interpreter exits.
+    Left running, a daemon thread inside a torch op that releases the GIL is ended by the
+    interpreter's teardown as it returns, and that aborts the process ("terminate called
+    without an active exception"); ``__del__`` may also run after the modules it needs are
+    torn down."""
+    for pool in list(_LIVE):
+        pool.close()
 
 
 def _stop(workers: list[_Worker]) -> None:

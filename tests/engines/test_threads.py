@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import gc
 import math
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_loaders.engines.pool import WorkerStalled
 from lightning_loaders.engines.threads import (
@@ -136,6 +141,46 @@ def _wait_for_no_threads() -> None:
 
 
 # -- backend="auto" ---------------------------------------------------------------------------
+
+
+_LEFT_AT_EXIT = textwrap.dedent("""
+    import sys
+    from lightning_loaders import ResumableLoader
+    from tests.engines.test_threads import MatMuls
+
+    loader = ResumableLoader(MatMuls(), batch_size=2, num_workers=2, backend=sys.argv[1])
+    for _ in loader:
+        pass
+    iterator = iter(loader)
+    next(iterator)
+""")
+
+
+class MatMuls:
+    """Samples that take a while in torch ops, which release the GIL (so that the threads are
+    inside one when the interpreter exits); no loader gathers it in bulk."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        a = torch.full((400, 400), float(index))
+        for _ in range(20):
+            a = torch.tanh(a @ a)
+        return a.sum()
+
+
+@pytest.mark.parametrize("backend", ["thread", "auto"])
+def test_an_interpreter_that_exits_with_threads_at_work_stops_them_first(backend: str) -> None:
+    """A loader left open at exit, its threads in torch ops for the next batches: they are
+    stopped and joined before the interpreter's teardown, which would abort the process
+    ("terminate called without an active exception") as a thread came back from one, and no
+    ``__del__`` complains of modules torn down."""
+    done = subprocess.run([sys.executable, "-c", _LEFT_AT_EXIT, backend],
+                          cwd=Path(__file__).parents[2], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr == ""
 
 
 def test_the_rule_keeps_threads_only_where_they_deliver_faster_than_processes() -> None:
