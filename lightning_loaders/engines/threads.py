@@ -30,7 +30,6 @@ import queue
 import statistics
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -70,6 +69,8 @@ MIN_SPAN_S = 0.05
 advances in ticks of a few milliseconds: a shorter span would say little)."""
 JOIN_S = 60.0
 """How long ``close()`` waits for a thread to finish the fetch it is in before leaving it."""
+NOTICE_S = 2.0
+"""How long ``close()`` waits for a thread before saying that it waits (Ctrl-C seems stuck)."""
 
 
 class ThreadWorker(NamedTuple):
@@ -204,8 +205,16 @@ class _Result(NamedTuple):
 
 
 class _Worker(NamedTuple):
+    """A pool thread, its requests, and whether it has returned: ``Thread.is_alive()`` says
+    ``False`` of a running thread once a ``join()`` of it was interrupted (Ctrl-C in
+    ``close()``)."""
+
     thread: threading.Thread
     inbox: queue.SimpleQueue[_Task | None]
+    ended: threading.Event
+
+    def running(self) -> bool:
+        return not self.ended.is_set()
 
 
 class ThreadPool:
@@ -253,63 +262,75 @@ class ThreadPool:
 
     def close(self) -> None:
         """Stop the threads and wait for them (a thread finishes the fetch it is in first; one
-        reported stalled is left to finish on its own)."""
+        reported stalled is left to finish on its own, and joined at exit)."""
         workers, self._workers = self._workers, None
-        _LIVE.discard(self)
         if workers is None:
             return
         _stop(workers)
-        deadline = time.monotonic() + JOIN_S
-        for w, worker in enumerate(workers):
-            if w in self._stalled or worker.thread is threading.current_thread():
-                continue
-            worker.thread.join(max(0.0, deadline - time.monotonic()))
-            if worker.thread.is_alive():
-                _log.warning("worker thread %s is still in a fetch after %.0f s; it stops when "
-                             "that fetch returns", worker.thread.name, JOIN_S)
+        _join([worker for w, worker in enumerate(workers)
+               if w not in self._stalled and worker.thread is not threading.current_thread()])
         self._stalled.clear()
         self._outbox = queue.SimpleQueue()  # results of the stopped threads are dropped
 
     def __del__(self) -> None:
         workers = getattr(self, "_workers", None)
-        if workers is not None:
-            _stop(workers)
+        if workers is not None and any(worker.running() for worker in workers):
+            _stop(workers)  # they end after their fetch; one still running at exit is joined
 
     def _start(self) -> None:
         outbox, workers = self._outbox, []
         for w in range(self.num_workers):
             inbox: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+            ended = threading.Event()
             copy = getattr(self.fetcher, "thread_copy", None)
             fetcher = copy() if callable(copy) else self.fetcher
             thread = threading.Thread(
                 target=_serve, name=f"lightning_loaders worker {w}", daemon=True,
                 args=(ThreadWorker(w, self.num_workers, fetcher), inbox, outbox,
-                      self.worker_init_fn, self._pin))
-            workers.append(_Worker(thread, inbox))
+                      self.worker_init_fn, self._pin, ended))
+            workers.append(_Worker(thread, inbox, ended))
         self._workers = workers
-        _LIVE.add(self)
+        _RUNNING.difference_update([w for w in _RUNNING if not w.running()])
+        _RUNNING.update(workers)
         for worker in workers:
             worker.thread.start()
 
 
-_LIVE: weakref.WeakSet[ThreadPool] = weakref.WeakSet()
+_RUNNING: set[_Worker] = set()
+"""The threads started, whatever became of their pools (pruned as pools start)."""
 
 
 @atexit.register
-def _close_live_pools() -> None:
-    """Stop and join the threads of the pools still running when the interpreter exits.
-    Left running, a daemon thread inside a torch op that releases the GIL is ended by the
-    interpreter's teardown as it returns, and that aborts the process ("terminate called
-    without an active exception"); ``__del__`` may also run after the modules it needs are
-    torn down."""
-    for pool in list(_LIVE):
-        pool.close()
+def _join_running_threads() -> None:
+    """Stop and join the threads still running when the interpreter exits, those of pools
+    dropped or closed mid-fetch (a stalled one, an interrupted ``close()``) too. Left running,
+    a daemon thread inside a torch op that releases the GIL is ended by the interpreter's
+    teardown as it returns, and that aborts the process ("terminate called without an active
+    exception")."""
+    running = [worker for worker in _RUNNING if worker.running()]
+    _stop(running)
+    _join(running)
 
 
 def _stop(workers: list[_Worker]) -> None:
     _drain_inboxes(workers)
     for worker in workers:
         worker.inbox.put(None)
+
+
+def _join(workers: list[_Worker]) -> None:
+    """Wait for ``workers`` to end, ``JOIN_S`` at most in all; saying so when one takes longer
+    than ``NOTICE_S`` (a fetch in progress), and naming those that outlive the wait."""
+    deadline = time.monotonic() + JOIN_S
+    for worker in workers:
+        if not worker.ended.wait(NOTICE_S):
+            _log.warning("waiting up to %.0f s for worker thread %s to finish the fetch it is "
+                         "in", max(0.0, deadline - time.monotonic()), worker.thread.name)
+        if worker.ended.wait(max(0.0, deadline - time.monotonic())):
+            worker.thread.join()  # it has returned: only the thread's own teardown is left
+        else:
+            _log.warning("worker thread %s is still in a fetch after %.0f s; it stops when "
+                         "that fetch returns", worker.thread.name, JOIN_S)
 
 
 def _drain_inboxes(workers: list[_Worker]) -> None:
@@ -324,20 +345,21 @@ def _drain_inboxes(workers: list[_Worker]) -> None:
 
 def _serve(me: ThreadWorker, inbox: queue.SimpleQueue[_Task | None],
            outbox: queue.SimpleQueue[_Result], init: Callable[[int], None] | None,
-           pin: tuple[str, int] | None) -> None:
-    """A pool thread: ``init`` once, then fetch each task of ``inbox`` until ``None``."""
+           pin: tuple[str, int] | None, ended: threading.Event) -> None:
+    """A pool thread: ``init`` once, then fetch each task of ``inbox`` until ``None``;
+    ``ended`` is set as it returns."""
     _local.worker = me
-    where = f"in DataLoader worker thread {me.id}"
-    failure = None
-    if pin is not None:
-        torch.accelerator.set_device_index(pin[1])
-    if init is not None:
-        try:
-            init(me.id)
-        except BaseException:
-            failure = torch_data_utils.ExceptionWrapper(where=where)
-    fetcher = me.dataset
     try:
+        where = f"in DataLoader worker thread {me.id}"
+        failure = None
+        if pin is not None:
+            torch.accelerator.set_device_index(pin[1])
+        if init is not None:
+            try:
+                init(me.id)
+            except BaseException:
+                failure = torch_data_utils.ExceptionWrapper(where=where)
+        fetcher = me.dataset
         while (task := inbox.get()) is not None:
             start = time.perf_counter()
             data: Any = failure
@@ -355,6 +377,7 @@ def _serve(me: ThreadWorker, inbox: queue.SimpleQueue[_Task | None],
         set_samples(None)
         set_worker(None)
         _local.worker = None
+        ended.set()
 
 
 class _ThreadIterator(PoolIterator):
@@ -422,6 +445,6 @@ class _ThreadIterator(PoolIterator):
         workers = self._pool._workers or []
         dead: list[tuple[int, int | None, int | None]] = [
             (w, os.getpid(), None) for w, worker in enumerate(workers)
-            if not worker.thread.is_alive()]
+            if not worker.running()]
         if dead:
             raise WorkerLost(dead)
