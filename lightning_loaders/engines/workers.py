@@ -53,6 +53,7 @@ from lightning_loaders.engines.pool import (
     pin_target,
 )
 from lightning_loaders.engines.transport import Packed, RingPacker, RingReader
+from lightning_loaders.schedule.requests import BatchRequest
 
 __all__ = ["DEATH_GRACE_S", "HELD", "JOIN_S", "PIPE_BYTES", "START_S", "ProcessPool"]
 
@@ -330,12 +331,20 @@ def _serve(setup: _Setup, fetcher: Any, packer: RingPacker | None,
             try:
                 payload = ForkingPickler.dumps((generation, number, data))
             except Exception:
-                error = torch_data_utils.ExceptionWrapper(where=f"{where}, pickling its result")
+                error = torch_data_utils.ExceptionWrapper(
+                    where=f"{where}, pickling its result{_for_batch(request)}")
                 payload = ForkingPickler.dumps((generation, number, error))
             del data, request, message
             results.send_bytes(payload)
     except (KeyboardInterrupt, EOFError, BrokenPipeError):
         return  # Ctrl-C reaches every process of the group; the main process stops the pool
+
+
+def _for_batch(request: Any) -> str:
+    """The batch and epoch a planned request asks for, to name in an error."""
+    if not isinstance(request, BatchRequest):
+        return ""
+    return f" for batch {request.batch} of epoch {request.epoch} on rank {request.rank}"
 
 
 def _set_up(setup: _Setup, fetcher: Any, init: Callable[[int], None] | None

@@ -20,6 +20,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from torch.utils.data import Dataset
 
 from lightning_loaders import ResumableLoader, sample_context, worker_info
 from lightning_loaders.engines import workers
@@ -132,6 +133,21 @@ def test_a_result_that_cannot_be_pickled_is_an_error_naming_the_worker() -> None
     with pytest.raises(Exception, match="in DataLoader worker process 0, pickling its result"):
         next(iter(pool))
     pool.close()
+
+
+def test_a_planned_batch_that_cannot_be_pickled_names_the_batch_and_epoch() -> None:
+    class Unpicklable(Dataset[Any]):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, index: int) -> Any:
+            return threading.Lock()
+
+    loader = ResumableLoader(Unpicklable(), batch_size=2, num_workers=1, collate_fn=list)
+    loader.set_epoch(3)
+    with pytest.raises(TypeError, match="pickling its result for batch 0 of epoch 3 on rank 0"):
+        next(iter(loader))
+    loader.close()
 
 
 @pytest.fixture
