@@ -269,12 +269,17 @@ class WorkerLoader(DeliveryCore):
 
     def _stall_error(self, stalled: WorkerStalled) -> WorkerTimeoutError:
         """The error for a batch later than ``timeout`` (workers are stopped first)."""
+        if isinstance(self._pool, ThreadPool):
+            who = (f"DataLoader worker thread {stalled.worker} (named 'lightning_loaders "
+                   f"worker {stalled.worker}', in pid {stalled.pid})")
+        else:
+            who = f"DataLoader worker {stalled.worker} (pid {stalled.pid})"
         self.close()
         rank, epoch, batch = self.schedule.placement[0], self.schedule.epoch, self._position()
         return WorkerTimeoutError(
-            f"DataLoader worker {stalled.worker} (pid {stalled.pid}) stalled: batch {batch} of "
-            f"epoch {epoch} on rank {rank} did not arrive within timeout={stalled.timeout} s. "
-            "See what that process is doing (e.g. py-spy dump --pid PID), or raise timeout",
+            f"{who} stalled: batch {batch} of epoch {epoch} on rank {rank} did not arrive "
+            f"within timeout={stalled.timeout} s. See what it is doing (e.g. py-spy dump "
+            f"--pid {stalled.pid}), or raise timeout",
             worker=stalled.worker, pid=stalled.pid, timeout=stalled.timeout, epoch=epoch,
             batch=batch, rank=rank)
 
