@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks.run_all import BENCHMARKS
 from tests.ddp_harness import REPO
 
@@ -49,3 +51,15 @@ def test_throughput_contenders_deliver_the_same_samples(tmp_path: Path) -> None:
         assert row["peak PSS, all processes (MiB)"] > 0, row
         if row["loader"].startswith(("ours", "DataLoader")):
             assert row["same samples as serial"] == "yes, in order", row
+
+
+def test_the_worker_timeline_accounts_for_every_batch_of_each_epoch(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.worker_timeline import main
+
+    assert main(["--epochs", "2", "--samples", "192", "--workers", "2"]) == 0
+    out = capsys.readouterr().out
+    epochs = re.findall(r"^epoch (\d): .* of the limit", out, flags=re.M)
+    assert epochs == ["0", "1"]
+    per_worker = [int(n) for n in re.findall(r"^  worker .*: (\d+) batches", out, flags=re.M)]
+    assert len(per_worker) == 4 and sum(per_worker) == 2 * 192 // 32
