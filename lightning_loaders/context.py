@@ -116,6 +116,10 @@ class WorkerInfo(int):
                 f"world_size={self.world_size}, epoch={self.epoch}, seed={self.seed}, "
                 f"backend={self.backend!r})")
 
+    def __str__(self) -> str:
+        """The id, as torch's plain int prints (``f"shard-{worker_id}"``, ``"%s"``)."""
+        return int.__repr__(self)
+
 
 _Column = Sequence[int] | np.ndarray[Any, Any]
 _Samples = tuple[int, int, _Column, _Column, _Column]

@@ -197,6 +197,30 @@ def test_get_worker_info_dataset_is_the_users_dataset_in_worker_init_fn() -> Non
     assert dataclasses.is_dataclass(torch.utils.data._utils.worker.WorkerInfo)
 
 
+class _Tagged(torch.utils.data.Dataset[str]):
+    """``worker_init_fn`` names the worker's copy from its id, as text."""
+
+    tag = ""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> str:
+        return self.tag
+
+
+def _tag_worker(worker_id: int) -> None:
+    get_worker_info().dataset.tag = f"shard-{worker_id}|{worker_id:02d}|%s" % worker_id
+
+
+def test_worker_init_fn_formats_its_worker_id_as_dataloader_does() -> None:
+    def run(make) -> set[str]:
+        loader = make(_Tagged(), batch_size=None, num_workers=2, worker_init_fn=_tag_worker)
+        return set(loader)
+
+    assert run(ResumableLoader) == run(DataLoader) == {"shard-0|00|0", "shard-1|01|1"}
+
+
 @pytest.mark.parametrize("name", ["batch_size", "sampler", "batch_sampler", "drop_last",
                                   "dataset", "persistent_workers"])
 def test_fixed_attributes_cannot_be_set_after_construction(name: str) -> None:
