@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import signal
+import types
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import get_worker_info
@@ -147,10 +148,47 @@ def fetch_error(exc: BaseException, what: str, *, epoch: int, batch: int, rank: 
     kind = fetch_error_type(type(exc))
     if kind is not SampleFetchError:
         try:
-            return kind(message, **fields)
+            error = kind(message, **fields)
         except Exception:  # the original type's constructor refuses one message
             pass
+        else:
+            for name, value in _attributes(exc).items():
+                if name not in fields:  # ``except OSError as e: if e.errno == ENOENT`` holds
+                    try:
+                        setattr(error, name, value)
+                    except (AttributeError, TypeError):
+                        pass
+            return error
     return SampleFetchError(message, **fields)
+
+
+def _attributes(exc: BaseException) -> dict[str, Any]:
+    """What ``exc`` holds besides its message: its own attributes (``e.code = 42``) and the
+    fields of the built-in exception types it derives from (``OSError.errno`` and
+    ``filename``, ``ImportError.name``, ...)."""
+    found = dict(vars(exc))
+    for name in _builtin_fields(type(exc)):
+        try:
+            found[name] = getattr(exc, name)
+        except AttributeError:  # not set (``OSError.characters_written``)
+            pass
+    return found
+
+
+def _builtin_fields(kind: type[BaseException]) -> tuple[str, ...]:
+    """The data descriptors of the built-in exception types in ``kind``'s bases."""
+    return tuple(dict.fromkeys(
+        name for base in kind.__mro__
+        if base.__module__ == "builtins" and base not in (BaseException, object)
+        for name, field in vars(base).items()
+        if isinstance(field, types.MemberDescriptorType | types.GetSetDescriptorType)
+        and not name.startswith("__")))
+
+
+def _reduce_fetch_error(error: SampleFetchError) -> tuple[Any, ...]:
+    """Pickled with its built-in fields (``errno``, ...), which ``BaseException``'s own
+    ``__reduce__`` leaves out: ``BaseException.__setstate__`` sets them back."""
+    return type(error), error.args, _attributes(error)
 
 
 _FETCH_ERROR_TYPES: dict[type[BaseException], type[SampleFetchError]] = {}
@@ -182,7 +220,7 @@ def fetch_error_type(original: type[BaseException]) -> type[SampleFetchError]:
             kind = type(name, (SampleFetchError, original),
                         {"__module__": __name__, "__qualname__": name,
                          "__str__": BaseException.__str__,
-                         "__reduce__": BaseException.__reduce__,
+                         "__reduce__": _reduce_fetch_error,
                          "__setstate__": BaseException.__setstate__})
         except TypeError:
             pass

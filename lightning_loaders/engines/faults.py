@@ -70,8 +70,10 @@ class Failed:
 
 
 def _picklable(value: Any) -> bool:
+    """Whether ``value`` crosses to the main process: pickled, and unpickled there (an error
+    class whose ``__init__`` takes more than the message pickles, and fails to unpickle)."""
     try:
-        pickle.dumps(value)
+        pickle.loads(pickle.dumps(value))
     except Exception:
         return False
     return True

@@ -123,6 +123,30 @@ def test_the_original_exception_type_is_caught_like_with_dataloader(error, num_w
     assert type(again) is type(raised) and again.index == 2 and str(again) == str(raised)
 
 
+class CodedError(Exception):
+    """An error with a field of its own (importable: combined with ``SampleFetchError``)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_the_original_exceptions_fields_are_kept_like_with_dataloader(num_workers) -> None:
+    """``e.errno == ENOENT`` and ``e.code`` read as on the original, from a worker too."""
+    for error, fields in ((FileNotFoundError(2, "gone", "/data/x.jpg"),
+                           {"errno": 2, "strerror": "gone", "filename": "/data/x.jpg"}),
+                          (CodedError("refused", 42), {"code": 42})):
+        with pytest.raises(type(error)) as caught:
+            list(ResumableLoader(_Raises(error), num_workers=num_workers))
+        raised = caught.value
+        assert isinstance(raised, SampleFetchError) and raised.index == 2
+        assert {name: getattr(raised, name) for name in fields} == fields
+        again = pickle.loads(pickle.dumps(raised))
+        assert {name: getattr(again, name) for name in fields} == fields
+        assert str(again) == str(raised) and again.index == 2
+
+
 def test_types_that_cannot_be_combined_stay_sample_fetch_errors() -> None:
     class Stop(StopIteration):  # would end the loop instead of failing it
         pass
