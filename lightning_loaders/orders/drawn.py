@@ -35,6 +35,8 @@ __all__ = ["DrawnBatchOrder", "DrawnOrder"]
 _TAG = 0x5A3D
 _CACHED_EPOCHS = 2  # rollover plans read two consecutive epochs
 _GENERATOR_DEPTH = 4
+MAX_DRAWN = 1 << 24
+"""The most items an epoch of a sampler without ``len()`` may yield (16.8M)."""
 
 
 class DrawnOrder:
@@ -117,11 +119,18 @@ class DrawnOrder:
 
     def _collect(self, items: Iterator[Any], epoch: int) -> np.ndarray:
         if self._length is None:
-            return _as_indices(list(items), self._name)
+            return _as_indices(_listed(items, self._name, "indices", "Give it a __len__: each "
+                                       "epoch then takes its first len() indices"), self._name)
         drawn = _as_indices(list(islice(items, self._length)), self._name)
         if len(drawn) != self._length:
             raise ValueError(f"{self._name} yielded only {len(drawn)} indices in epoch {epoch}, "
                              f"but len() is {self._length}: every epoch must have len() indices")
+        if not self._checked and next(items, None) is not None:
+            warnings.warn(
+                f"{self._name} yields more indices than its len() ({self._length}): each epoch "
+                f"takes its first {self._length}, as a trainer that stops at len() reads an "
+                "endless sampler (DataLoader would deliver them all). Make len() the epoch's "
+                "length if it is not.", stacklevel=6)
         return drawn
 
     def _remember(self, epoch: int, drawn: np.ndarray, before: Any) -> None:
@@ -166,7 +175,8 @@ class DrawnBatchOrder(DrawnOrder):
         return f"drawn-batches({self._name}, len={self._length}, batch_size={self.batch_size})"
 
     def _collect(self, items: Iterator[Any], epoch: int) -> np.ndarray:
-        batches = [_as_indices(list(batch), self._name) for batch in items]
+        batches = [_as_indices(list(batch), self._name)
+                   for batch in _listed(items, self._name, "batches", "Give each epoch an end")]
         sizes = [len(batch) for batch in batches]
         if not sizes or sizes[0] == 0:
             raise ValueError(f"{self._name} yielded no batch (or an empty one) in epoch {epoch}")
@@ -185,6 +195,15 @@ class DrawnBatchOrder(DrawnOrder):
             raise ValueError(f"{self._name} yielded {len(drawn)} indices in epoch {epoch}, "
                              f"{self._length} in the first: every epoch must have the same length")
         return drawn
+
+
+def _listed(items: Iterator[Any], name: str, what: str, fix: str) -> list[Any]:
+    """An epoch's items; refused past ``MAX_DRAWN`` (an endless sampler would never end)."""
+    listed = list(islice(items, MAX_DRAWN + 1))
+    if len(listed) > MAX_DRAWN:
+        raise ValueError(f"{name} has no len() and yielded more than {MAX_DRAWN:,} {what} in "
+                         f"one epoch: an endless sampler cannot be planned into epochs. {fix}.")
+    return listed
 
 
 def _declared_length(sampler: Any) -> int | None:

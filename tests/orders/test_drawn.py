@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import Sampler
 
 from lightning_loaders import ResumableLoader
+from lightning_loaders.orders import drawn
 from lightning_loaders.orders.drawn import DrawnBatchOrder, DrawnOrder
 from lightning_loaders.testing import check_resume_at_every_step, run_epochs
 from tests.conftest import IndexDataset
@@ -160,7 +161,33 @@ def test_an_infinite_sampler_with_len_is_cut_at_len() -> None:
                 i += 1
 
     loader = ResumableLoader(IndexDataset(N), sampler=Forever(), batch_size=4)
-    assert [indices(b) for b in loader] == [[0, 1, 2, 3], [4, 5]]
+    with pytest.warns(UserWarning, match="yields more indices than its len\\(\\) \\(6\\): each "
+                      "epoch takes its first 6"):
+        assert [indices(b) for b in loader] == [[0, 1, 2, 3], [4, 5]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once, not every epoch
+        assert [indices(b) for b in loader] == [[0, 1, 2, 3], [4, 5]]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_an_endless_sampler_without_len_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                                   batched: bool) -> None:
+    """DataLoader reads it until the trainer stops; a plan needs epochs."""
+    class Endless:
+        def __iter__(self):
+            i = 0
+            while True:
+                yield [i % N, (i + 1) % N] if batched else i % N
+                i += 2
+
+    monkeypatch.setattr(drawn, "MAX_DRAWN", 1000)
+    kind = "batches" if batched else "indices"
+    with pytest.raises(ValueError, match=f"Endless has no len\\(\\) and yielded more than 1,000 "
+                                         f"{kind} in one epoch: an endless sampler cannot"):
+        if batched:
+            ResumableLoader(IndexDataset(N), batch_sampler=Endless())
+        else:
+            ResumableLoader(IndexDataset(N), sampler=Endless(), batch_size=4)
 
 
 @pytest.mark.parametrize(
