@@ -48,6 +48,7 @@ from lightning_loaders.orders.from_torch import (
     order_from_batch_sampler,
     order_from_sampler,
     placement_from_sampler,
+    sampler_signature,
     yields_batches,
 )
 from lightning_loaders.schedule.audit import AUDIT
@@ -114,6 +115,7 @@ class MapStyleLoader(ResumableLoader):
                              "loader needs at least one sample (check its path or filter)")
         self._order_source = (sampler, bool(options.shuffle))
         order = self._make_order(sampler, bool(options.shuffle), len(dataset))
+        self._order_read = self._order_key()
         self.schedule = MapSchedule(order, plan_batch_size, self.last_batch, self.seed,
                                     options.rank, options.world_size,
                                     merge_short_tail=options.evaluation)
@@ -266,23 +268,32 @@ class MapStyleLoader(ResumableLoader):
         return self._deliver()
 
     def _refresh_length(self) -> None:
-        """Between epochs, follow a dataset whose ``len()`` changed (as ``DataLoader``, which
-        reads it at every epoch): the order is rebuilt over the new length and the workers,
-        whose copies of the dataset are stale, restart. An order given as a sampler that does
-        not derive from the dataset's length is kept."""
+        """Between epochs, follow a dataset whose ``len()`` changed, and a sampler changed in
+        place (``sampler_signature``), as ``DataLoader`` does, which reads both at every epoch:
+        the order is rebuilt, and when the dataset's length changed the workers, whose copies
+        of the dataset are stale, restart."""
         schedule = self.schedule
         between = schedule.epoch is None or schedule.remaining <= len(self._window.ahead)
+        if self._restored or not between:
+            return
+        key = self._order_key()
+        if key == self._order_read or len(self.dataset) < 1:
+            return
+        resized = key[0] != self._order_read[0]
+        self._order_read = key
         sampler, shuffle = self._order_source
-        follows = sampler is None or type(sampler) in (SequentialSampler, RandomSampler)
-        if self._restored or not between or not follows:
-            return
-        length = len(self.dataset)
-        if length == schedule.dataset_len or length < 1:
-            return
-        order = self._make_order(sampler, shuffle, length)
+        order = self._make_order(sampler, shuffle, len(self.dataset))
         schedule.order, schedule.dataset_len = order, len(order)
-        self.close()
-        self._batch_fetcher = None
+        if resized:
+            self.close()
+            self._batch_fetcher = None
+
+    def _order_key(self) -> tuple[Any, ...]:
+        """What the order is read from: the dataset's length (when the order follows it) and
+        the sampler's signature."""
+        sampler, _ = self._order_source
+        follows = sampler is None or type(sampler) in (SequentialSampler, RandomSampler)
+        return (len(self.dataset) if follows else None, sampler_signature(sampler))
 
     def _reopen(self) -> Iterator[Any]:
         return self._deliver()

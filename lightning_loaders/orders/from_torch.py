@@ -34,6 +34,7 @@ __all__ = [
     "order_from_batch_sampler",
     "order_from_sampler",
     "placement_from_sampler",
+    "sampler_signature",
     "yields_batches",
 ]
 
@@ -73,6 +74,34 @@ def order_from_sampler(sampler: Any, dataset_len: int, seed: int) -> SampleOrder
     if not hasattr(sampler, "__iter__"):
         raise TypeError(f"cannot use a {kind.__name__} as a sampler: it is not iterable")
     return DrawnOrder(sampler, seed)
+
+
+def sampler_signature(sampler: Any) -> tuple[Any, ...]:
+    """What the order made of ``sampler`` was read from, cheap to compare between epochs, so
+    that a sampler changed in place is followed as ``DataLoader`` follows it (it iterates the
+    sampler at every epoch): new ``indices`` or ``weights`` (a tensor edited in place too), a
+    new ``num_samples``, a new ``len()`` of a sampler that is drawn. Orders of our own, which
+    follow their changes themselves, and samplers without ``len()`` give ``()``."""
+    kind = type(sampler)
+    if kind is SequentialSampler:
+        return (len(sampler),)
+    if kind is RandomSampler:
+        return (len(sampler.data_source), sampler.num_samples, sampler.replacement)
+    if kind is SubsetRandomSampler:
+        return (_identity(sampler.indices),)
+    if kind is WeightedRandomSampler:
+        return (_identity(sampler.weights), sampler.num_samples, sampler.replacement)
+    if kind is DistributedSampler or isinstance(sampler, SampleOrder | DynamicWeightedSampler):
+        return ()
+    try:
+        return (len(sampler),)
+    except TypeError:
+        return ()
+
+
+def _identity(values: Any) -> tuple[int, int, int | None]:
+    """Which sequence ``values`` is: a new one, or a tensor edited in place, differs."""
+    return id(values), len(values), getattr(values, "_version", None)
 
 
 def order_from_batch_sampler(batch_sampler: Any, dataset_len: int,

@@ -14,12 +14,14 @@ from torch.utils.data import (
     DistributedSampler,
     RandomSampler,
     SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
     get_worker_info,
 )
 
 from lightning_loaders import ResumableLoader, SampleFetchError
 from lightning_loaders.testing import check_resume_at_every_step, to_plain
-from tests.conftest import IndexDataset, RangeDataset
+from tests.conftest import IndexDataset, RangeDataset, loader_processes
 
 
 class _Bulk(torch.utils.data.Dataset[int]):
@@ -186,6 +188,59 @@ def test_a_dataset_that_grows_between_epochs_is_read_whole(num_workers: int) -> 
 
     assert epochs(ResumableLoader) == epochs(DataLoader) == [
         list(range(4)), list(range(8)), list(range(6))]
+
+
+class _Growing(torch.utils.data.Sampler[int]):
+    """A curriculum: each epoch reads the first ``k`` samples, ``k`` set between epochs."""
+
+    def __init__(self) -> None:
+        self.k = 3
+
+    def __len__(self) -> int:
+        return self.k
+
+    def __iter__(self):
+        return iter(range(self.k))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_sampler_changed_between_epochs_is_followed(num_workers: int) -> None:
+    """New ``indices``, weights edited in place, a longer curriculum: read at every epoch, as
+    ``DataLoader`` reads its sampler."""
+    def epochs(make) -> list[set[int]]:
+        subset = SubsetRandomSampler([0, 1, 2])
+        weights = torch.tensor([1.0] * 5 + [0.0] * 5, dtype=torch.float64)
+        weighted = WeightedRandomSampler(weights, 6)
+        growing = _Growing()
+        loaders = [make(RangeDataset(10), batch_size=2, sampler=sampler,
+                        num_workers=num_workers) for sampler in (subset, weighted, growing)]
+        out = [{i for batch in loader for i in batch.tolist()} for loader in loaders]
+        subset.indices = [5, 6, 7, 8]
+        weights[:] = torch.tensor([0.0] * 5 + [1.0] * 5)
+        growing.k = 6
+        out += [{i for batch in loader for i in batch.tolist()} for loader in loaders]
+        assert len(loaders[2]) == 3
+        return out
+
+    for make in (DataLoader, ResumableLoader):
+        before_subset, before_weighted, before_growing, *after = epochs(make)
+        assert before_subset == {0, 1, 2} and before_weighted <= set(range(5))
+        assert before_growing == {0, 1, 2}
+        assert after[0] == {5, 6, 7, 8} and after[1] <= set(range(5, 10))
+        assert after[2] == set(range(6))
+
+
+def test_a_sampler_that_did_not_change_keeps_its_workers() -> None:
+    """``RandomSampler(num_samples=...)`` draws fewer than the dataset's length: that is no
+    change between epochs, and the workers persist."""
+    loader = ResumableLoader(RangeDataset(10), batch_size=2, num_workers=1,
+                             sampler=RandomSampler(RangeDataset(10), num_samples=4))
+    pids = []
+    for _ in range(3):
+        assert sum(len(batch) for batch in loader) == 4
+        pids.append([p.pid for p in loader_processes()])
+    assert pids[0] == pids[1] == pids[2] and len(pids[0]) == 1
+    loader.close()
 
 
 class _Configurable(torch.utils.data.Dataset[int]):
