@@ -83,6 +83,10 @@ class MapSchedule(EpochOwner):
             return EpochPlan(start, stop, self.batch_size, world_size, "drop")
         plan = EpochPlan(offset_position, self.dataset_len, self.batch_size, world_size,
                          self.last_batch, merge_short_tail=self.merge_short_tail)
+        if offset_position == 0 and self.dataset_len == 0:
+            raise ValueError("the order has no sample in epoch "
+                             f"{epoch}: its sampler yields no index (len() is 0); a loader "
+                             "needs at least one sample")
         if offset_position == 0 and plan.num_batches == 0:
             raise ValueError(
                 f"last_batch='drop' leaves no batch: {self.dataset_len} samples are fewer than "

@@ -68,6 +68,7 @@ BAD_SETTINGS = [
     (5, {"last_batch": "rollover", "batch_size": 4, "rank": 0, "world_size": 2}, ValueError,
      r"rollover' needs at least one global batch per epoch.*batch_size <= 2"),
     ("empty", {}, ValueError, r"the dataset \(Empty\) is empty.*at least one sample"),
+    (10, {"sampler": []}, ValueError, r"its sampler yields no index \(len\(\) is 0\)"),
     # Workers started by spawn receive the dataset and functions pickled.
     ("lambda", {"num_workers": 1, "multiprocessing_context": "spawn"}, ValueError,
      r"the dataset cannot be pickled .*'spawn'.*module level.*'fork'.*num_workers=0"),
