@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torch.utils.data import Dataset, Sampler, get_worker_info
+from torch.utils.data import Dataset, Sampler, default_collate, get_worker_info
 from torch.utils.data._utils import worker as torch_worker
 
 from lightning_loaders.context import WorkerInfo, set_worker
@@ -98,7 +98,7 @@ class WorkerLoader(DeliveryCore):
         self.dataset = dataset
         self.batch_size: int = o.batch_size
         self.num_workers = num_workers
-        self.collate_fn = o.collate_fn
+        self.collate_fn = default_collate if o.collate_fn is None else o.collate_fn  # as torch's
         self.pin_memory = o.pin_memory
         self.drop_last = drop_last
         self.timeout = o.timeout

@@ -276,6 +276,16 @@ def test_get_worker_info_dataset_is_the_users_dataset_in_worker_init_fn() -> Non
     assert dataclasses.is_dataclass(torch.utils.data._utils.worker.WorkerInfo)
 
 
+@pytest.mark.parametrize("batch_size", [3, None])
+def test_the_collate_fn_attribute_is_dataloaders(batch_size: int | None) -> None:
+    """``default_collate`` (``default_convert`` unbatched) when none is given, callable as
+    code that reads ``loader.collate_fn`` calls it."""
+    ours = ResumableLoader(IndexDataset(6), batch_size=batch_size)
+    theirs = DataLoader(IndexDataset(6), batch_size=batch_size)
+    assert ours.collate_fn is theirs.collate_fn
+    assert to_plain(ours.collate_fn([{"index": 1}])) == to_plain(theirs.collate_fn([{"index": 1}]))
+
+
 class _Tagged(torch.utils.data.Dataset[str]):
     """``worker_init_fn`` names the worker's copy from its id, as text."""
 
