@@ -89,10 +89,11 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
-from torch.utils.data import Sampler
+from torch.utils.data import Sampler, default_convert
 
 from lightning_loaders.collectives import agree_min, gather_by_rank
 from lightning_loaders.engines.pool import WorkerLost, WorkerStalled
@@ -160,6 +161,14 @@ class ResumableIterableLoader(ResumableLoader):
             raise ValueError("an iterable dataset takes no sampler or batch_sampler (as in "
                              "DataLoader): the plan decides the order; shuffle shards with "
                              "shuffle=True and mix samples with shuffle_buffer")
+        unbatched: _Unbatched | None = None
+        if options.batch_size is None:  # each item delivered as it is, converted, as DataLoader
+            if options.drop_last:
+                raise ValueError("batch_size=None option disables auto-batching and is "
+                                 "mutually exclusive with drop_last (as in DataLoader)")
+            unbatched = _Unbatched(default_convert if options.collate_fn is None
+                                   else options.collate_fn)
+            options = replace(options, batch_size=1, collate_fn=unbatched)
         self.last_batch: LastBatch = resolve_last_batch(options.last_batch, options.drop_last)
         self._take_options(dataset, options, drop_last=self.last_batch == "drop")
         shuffle, shuffle_buffer = options.shuffle, options.shuffle_buffer
@@ -218,6 +227,9 @@ class ResumableIterableLoader(ResumableLoader):
         self.sampler = EpochSampler(self.schedule)
         self._fetcher = SlotFetcher(source, config, slots, max(1, shuffle_buffer),
                                    options.collate_fn, ring=self.shared_ring)
+        if unbatched is not None:  # DataLoader's surface
+            self.batch_size = None  # type: ignore[assignment]
+            self.collate_fn = unbatched.fn
         self._warned_surplus = False
         self._window = DeliveredWindow()  # canonical partitions: batches past the frontier
         self._restored = False  # a loaded window waits for its epoch to open
@@ -415,3 +427,15 @@ def _ordered_only(config: PlanConfig) -> str:
             "when planned over canonical partitions (a ShardedSource with known shard_lengths, "
             "last_batch 'keep', 'drop' or 'pad'). Here each (rank, worker) slot cuts its batches "
             "from its own stream, which only its own worker can continue without re-reading it")
+
+
+class _Unbatched:
+    """``batch_size=None`` over an iterable dataset: each planned batch holds one item, which
+    ``fn`` converts (``default_convert`` unless a ``collate_fn`` is given) instead of a
+    collation into a batch of one."""
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, items: list[Any]) -> Any:
+        return self.fn(items[0])

@@ -71,7 +71,7 @@ def check_loader_arguments(*, batch_size: Any, num_workers: Any, timeout: Any,
     """Raise ``ValueError``/``TypeError`` for arguments no loader can run with."""
     if not _is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r} (or None, for "
-                         "unbatched loading of a map-style dataset)")
+                         "unbatched loading)")
     if snapshot_every_n_steps is not None and (not _is_int(snapshot_every_n_steps)
                                                or snapshot_every_n_steps < 1):
         raise ValueError(f"snapshot_every_n_steps must be an int >= 1, got "

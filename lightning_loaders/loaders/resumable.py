@@ -89,7 +89,8 @@ class ResumableLoader(WorkerLoader):
 
     ``batch_size=None`` loads unbatched, as in ``DataLoader``: each sampled index gives one
     sample (``collate_fn`` defaults to ``default_convert``); a sampler that yields lists of
-    indices gives ``dataset[list]`` (bulk loading). ``batch_sampler`` may be any iterable of
+    indices gives ``dataset[list]`` (bulk loading); an iterable dataset's items come as they
+    are (ready-made batches). ``batch_sampler`` may be any iterable of
     index lists. ``in_order=False`` delivers batches as workers finish them (one slow sample no
     longer stalls the others) and stays exactly resumable: the state records which batches of
     the in-flight window were already delivered, and a resume delivers exactly the others

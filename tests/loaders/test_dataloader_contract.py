@@ -71,6 +71,30 @@ def test_unbatched_and_bulk_loading_resume_exactly(num_workers: int) -> None:
         epochs=2)
 
 
+class _PreBatched(torch.utils.data.IterableDataset):
+    """Yields ready-made batches (split between workers by itself), as pipelines that batch
+    inside the dataset do; read with ``batch_size=None``."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        for b in range(worker, 6, workers):
+            yield {"x": torch.arange(4 * b, 4 * b + 4), "id": b}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_batch_size_none_delivers_an_iterable_datasets_items_as_they_are(num_workers) -> None:
+    ours = ResumableLoader(_PreBatched(), batch_size=None, num_workers=num_workers)
+    theirs = DataLoader(_PreBatched(), batch_size=None, num_workers=num_workers)
+    assert ours.batch_size is None and ours.collate_fn is theirs.collate_fn
+    assert sorted(map(str, _plain(ours))) == sorted(map(str, _plain(theirs)))
+    assert [batch["x"].shape for batch in ours] == [torch.Size([4])] * 6
+    check_resume_at_every_step(
+        lambda: ResumableLoader(_PreBatched(), batch_size=None, num_workers=num_workers), 2)
+    with pytest.raises(ValueError, match="drop_last"):
+        ResumableLoader(_PreBatched(), batch_size=None, drop_last=True)
+
+
 class _Batches:
     """A batch sampler that is no torch ``BatchSampler``: a generator-backed iterable."""
 
