@@ -254,12 +254,13 @@ class MapStyleLoader(ResumableLoader):
         return self.schedule.batches
 
     def __len__(self) -> int:
-        """Batches per epoch on this rank; ``len(dataset)`` is read again between epochs."""
-        self._refresh_length()
+        """Batches per epoch on this rank; ``len(dataset)`` and the sampler are read again
+        between epochs."""
+        self._refresh_order()
         return super().__len__()
 
     def _open_epoch(self) -> Iterator[Any]:
-        self._refresh_length()
+        self._refresh_order()
         schedule = self.schedule
         schedule.begin_epoch()
         self._restored = False
@@ -267,7 +268,7 @@ class MapStyleLoader(ResumableLoader):
         self._epoch_restarts = 0
         return self._deliver()
 
-    def _refresh_length(self) -> None:
+    def _refresh_order(self) -> None:
         """Between epochs, follow a dataset whose ``len()`` changed, and a sampler changed in
         place (``sampler_signature``), as ``DataLoader`` does, which reads both at every epoch:
         the order is rebuilt, and when the dataset's length changed the workers, whose copies
