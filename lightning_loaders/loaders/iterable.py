@@ -184,7 +184,8 @@ class ResumableIterableLoader(ResumableLoader):
                                  ("sync_interval", options.sync_interval, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        source = dataset if isinstance(dataset, ShardedSource) else PlainStream(dataset)
+        source = (dataset if isinstance(dataset, ShardedSource)
+                  else PlainStream(dataset, self.seed))
         strided = isinstance(source, PlainStream)
         lengths = source.shard_lengths
         if not source.shards:

@@ -17,7 +17,7 @@ import hashlib
 import itertools
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torch.utils.data._utils import worker as torch_worker
 
+from lightning_loaders.context import seeded_global_rngs
 from lightning_loaders.sources.shards import ShardedSource
 
 __all__ = ["PlainStream", "refuse_rank_split", "sole_reader"]
@@ -38,6 +39,7 @@ _SOURCES_HINT = ("or use a first-class source (lightning_loaders.sources: HFSour
                  "WebDatasetSource, ParquetSource), which knows its shards and can seek")
 _PIPELINE_DEPTH = 4
 _DIGEST_SAMPLES = 8
+_OPEN_TAG = 0x0BE5  # keys the RNGs a plain stream is opened with
 
 
 @contextmanager
@@ -114,27 +116,48 @@ def refuse_rank_split(dataset: Any) -> None:
             f"{getattr(distributed, 'rank', '?')} of {getattr(distributed, 'world_size', '?')}); "
             "ResumableLoader shards over ranks itself, so each rank would read only its share "
             "of that share. Pass the unsplit dataset, " + _SOURCES_HINT)
-    if _has_node_splitter(dataset, _PIPELINE_DEPTH):
+    if _has_stage(dataset, _PIPELINE_DEPTH, _is_node_splitter):
         raise ValueError(
             f"this WebDataset {name} splits its shards by node (a split_by_node stage, e.g. "
             "nodesplitter=webdataset.split_by_node); ResumableLoader shards over ranks itself, "
             "so each rank would read only its share of that share. Drop the node splitter (the "
             "default nodesplitter is fine), " + _SOURCES_HINT)
+    if _has_stage(dataset, _PIPELINE_DEPTH, _is_unseeded_shuffle):
+        raise ValueError(
+            f"this WebDataset {name} has a .shuffle(n) stage without a seed: it seeds itself "
+            "from the process id and the clock, so every worker, rank and resume would read "
+            "another stream (samples lost and repeated). Give it one (.shuffle(n, seed=...)), "
+            "or drop it and pass shuffle_buffer=n to the loader, which mixes samples "
+            "resumably, " + _SOURCES_HINT)
 
 
-def _has_node_splitter(pipeline: Any, depth: int) -> bool:
-    """Whether a WebDataset pipeline (or one nested in it) has a ``split_by_node`` stage."""
+def _has_stage(pipeline: Any, depth: int, found: Callable[[Any], bool]) -> bool:
+    """Whether a WebDataset pipeline (or one nested in it) has a stage that is ``found``."""
     stages = getattr(pipeline, "pipeline", None)
     if depth == 0 or not isinstance(stages, list):
         return False
-    for stage in stages:
-        function = getattr(stage, "func", stage)  # a functools.partial of the splitter
-        if (getattr(function, "__name__", None) == "split_by_node"
-                and getattr(function, "__module__", "").startswith("webdataset")):
-            return True
-        if _has_node_splitter(stage, depth - 1):
-            return True
-    return False
+    return any(found(stage) or _has_stage(stage, depth - 1, found) for stage in stages)
+
+
+def _webdataset_function(stage: Any, name: str) -> bool:
+    """Whether ``stage`` calls WebDataset's function ``name`` (a ``functools.partial`` of it,
+    or a ``FilterFunction`` of it)."""
+    function = getattr(stage, "func", None) or getattr(stage, "f", None) or stage
+    return (getattr(function, "__name__", None) == name
+            and getattr(function, "__module__", "").startswith("webdataset"))
+
+
+def _is_node_splitter(stage: Any) -> bool:
+    return _webdataset_function(stage, "split_by_node")
+
+
+def _is_unseeded_shuffle(stage: Any) -> bool:
+    """A ``.shuffle(n)`` stage given neither ``rng`` nor ``seed`` (also positionally)."""
+    if not _webdataset_function(stage, "_shuffle"):
+        return False
+    keywords = getattr(stage, "kw", {})
+    return (len(getattr(stage, "args", ())) < 3 and keywords.get("rng") is None
+            and keywords.get("seed") is None)
 
 
 class PlainStream(ShardedSource[Any]):
@@ -148,9 +171,11 @@ class PlainStream(ShardedSource[Any]):
     own ``state_dict()``, if any, is not used: the loader keeps the stream's position.
     """
 
-    def __init__(self, dataset: IterableDataset[Any]) -> None:
+    def __init__(self, dataset: IterableDataset[Any], seed: int = 0) -> None:
         refuse_rank_split(dataset)
         self.dataset = dataset
+        self.seed = seed
+        self._epoch = 0
 
     @property
     def shards(self) -> list[IterableDataset[Any]]:
@@ -166,7 +191,19 @@ class PlainStream(ShardedSource[Any]):
     def open_shard(self, index: int, start: int = 0,
                    state: Mapping[str, Any] | None = None) -> Iterator[Any]:
         """The stream from sample ``start`` on; read it inside ``sole_reader()``."""
-        return itertools.islice(iter(self.dataset), start, None)
+        stream = self._opened()
+        return itertools.islice(stream, start, None)
+
+    def _opened(self) -> Iterator[Any]:
+        """``iter(dataset)``, opened (up to its first sample, where a generator's body starts)
+        with the global RNGs seeded from the seed and the epoch alone, then restored: a
+        dataset that draws its order from them (``random.shuffle`` of its files) is then the
+        same stream in every slot, rank and resume of the epoch, where the RNGs of each
+        batch's fetch (seeded per slot and batch) would make every slot's stream another."""
+        with seeded_global_rngs(_OPEN_TAG, self.seed, self._epoch):
+            stream = iter(self.dataset)
+            head = list(itertools.islice(stream, 1))
+        return _chained(head, stream)
 
     def set_epoch(self, epoch: int) -> None:
         """Forward ``epoch`` unless the dataset's ``epoch`` already says it.
@@ -175,6 +212,7 @@ class PlainStream(ShardedSource[Any]):
         updates it by adding a difference, so workers setting it at once would add twice; the
         loader sets it in the main process first, and the workers then leave it alone.
         """
+        self._epoch = epoch
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if callable(set_epoch) and getattr(self.dataset, "epoch", None) != epoch:
             set_epoch(epoch)
@@ -194,7 +232,7 @@ class PlainStream(ShardedSource[Any]):
         the digest never differs by memory addresses or hash seeds."""
         hasher = hashlib.blake2b(digest_size=8)
         with sole_reader():
-            iterator = iter(self.dataset)
+            iterator = self._opened()
             try:
                 for sample in itertools.islice(iterator, _DIGEST_SAMPLES):
                     _feed(hasher, sample)
@@ -209,6 +247,12 @@ class PlainStream(ShardedSource[Any]):
         lengths = self.shard_lengths
         size = lengths[0] if lengths is not None else "unknown length"
         return f"{type(self.dataset).__name__}:{size}"
+
+
+def _chained(head: list[Any], stream: Iterator[Any]) -> Iterator[Any]:
+    """``head``, then ``stream``; closing it closes ``stream``."""
+    yield from head
+    yield from stream
 
 
 def _feed(hasher: Any, value: Any) -> None:

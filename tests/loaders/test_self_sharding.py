@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import random
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -160,8 +161,30 @@ def write_data(data_dir: Path, total: int = TOTAL) -> Path:
     return data_dir
 
 
+def webdataset_seeded_shuffle(data_dir: str) -> IterableDataset[Any]:
+    """``WebDataset(urls)`` whose samples pass through a seeded ``.shuffle(n)`` buffer."""
+    urls = sorted(str(path) for path in Path(data_dir).glob("*.tar"))
+    return wds.WebDataset(urls, shardshuffle=False).shuffle(8, seed=3).decode().map(_wds_sample)
+
+
 BUILDERS: dict[str, Callable[[str], IterableDataset[Any]]] = {
-    "torch-doc": ddp_torch_doc, "hf": ddp_hf, "webdataset": ddp_webdataset}
+    "torch-doc": ddp_torch_doc, "hf": ddp_hf, "webdataset": ddp_webdataset,
+    "webdataset-shuffled": webdataset_seeded_shuffle}
+
+
+class ShuffledFiles(IterableDataset[dict[str, int]]):
+    """A common pattern: ``random.shuffle`` of the file list at the start of each pass (not
+    split by worker)."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.files = [ids[start:start + 6] for start in range(0, len(ids), 6)]
+
+    def __iter__(self) -> Iterator[dict[str, int]]:
+        files = list(self.files)
+        random.shuffle(files)
+        for file in files:
+            for i in file:
+                yield {"id": i}
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +219,36 @@ def test_every_sample_arrives_exactly_once_per_epoch(name, workers, backend, dat
     for epoch, ids in enumerate(_epoch_ids(loader, 2)):
         assert Counter(ids) == expected, f"epoch {epoch}: {len(ids)} of {TOTAL} ids"
     loader.close()
+
+
+@pytest.mark.parametrize("backend", ["process", "thread"])
+@pytest.mark.parametrize("workers", [0, 2, 3])
+def test_a_stream_shuffled_by_the_global_rngs_is_one_stream_in_every_slot(workers, backend,
+                                                                          data_dir) -> None:
+    """Every slot opens the stream with the global RNGs seeded from the seed and the epoch
+    alone (a batch's fetch seeds them per slot): each reads the same shuffle, and keeps its
+    share of it; another epoch draws another shuffle."""
+    ids = read_ids(str(data_dir))
+    loader = ResumableLoader(ShuffledFiles(ids), batch_size=BATCH, num_workers=workers,
+                             seed=5, backend=backend)
+    epochs = _epoch_ids(loader, 2)
+    loader.close()
+    for epoch, got in enumerate(epochs):
+        assert Counter(got) == Counter(ids), f"epoch {epoch}: {len(got)} of {TOTAL} ids"
+    assert epochs[0] != epochs[1]
+    if workers < 3 and backend == "process":
+        check_resume_at_every_step(
+            lambda: ResumableLoader(ShuffledFiles(ids), batch_size=BATCH, num_workers=workers,
+                                    seed=5), epochs=2, key=lambda batch: batch["id"].tolist())
+
+
+def test_a_webdataset_shuffle_without_a_seed_is_refused_with_the_fix(data_dir) -> None:
+    """It seeds itself from the pid and the clock: no two slots or runs read one stream."""
+    urls = sorted(str(path) for path in data_dir.glob("*.tar"))
+    dataset = wds.WebDataset(urls, shardshuffle=False).shuffle(8).decode()
+    with pytest.raises(ValueError, match=r"\.shuffle\(n\) stage without a seed.*"
+                                         r"seed=\.\.\..*shuffle_buffer=n"):
+        ResumableLoader(dataset, batch_size=BATCH)
 
 
 @pytest.mark.parametrize("name", BUILDERS)
