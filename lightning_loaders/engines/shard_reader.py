@@ -175,11 +175,34 @@ class SlotReader:
                 out += chunk
                 self._it_position = self._offset + (len(chunk) - 1) * piece.step + 1
                 self._offset += len(chunk) * piece.step
+                if piece.stop is not None and self._offset >= piece.stop:
+                    self._check_ends_at(piece.shard, piece.stop)
             if len(chunk) < want:  # the shard ended
                 if piece.stop is not None:
                     raise ValueError(self._too_short(piece))
                 self._advance()
         return out
+
+    def _check_ends_at(self, shard: int, stop: int) -> None:
+        """Where ``stop`` is the shard's declared length, raise if the shard goes on past it:
+        those samples would be lost every epoch, in silence."""
+        lengths = self._source.shard_lengths
+        if lengths is None or stop != lengths[shard] or self._it is None:
+            return
+        skip = stop - self._it_position  # other slots' samples (strided pieces)
+        past = list(itertools.islice(self._it, skip, skip + 1))
+        self._it_position = stop + len(past)
+        if past:
+            raise ValueError(self._too_long(shard, stop))
+
+    def _too_long(self, shard: int, declared: int) -> str:
+        if isinstance(self._source, PlainStream):
+            return (f"the {type(self._source.dataset).__name__} stream goes on past its len() "
+                    f"({declared}): the samples after it would never be read. Fix __len__, or "
+                    "drop it (a stream without len() is read to its end)")
+        return (f"shard {shard} goes on past its declared length ({declared}): the samples "
+                "after it would never be read. Fix the source's shard_lengths (or leave them "
+                "unknown)")
 
     def _too_short(self, piece: Piece) -> str:
         if isinstance(self._source, PlainStream):

@@ -32,7 +32,7 @@ from torch.utils.data import (
     get_worker_info,
 )
 
-from lightning_loaders import ResumableLoader
+from lightning_loaders import GeneratorSource, ResumableLoader
 from lightning_loaders.errors import SampleFetchError
 from lightning_loaders.sources.plain import sole_reader
 from lightning_loaders.testing import check_resume_at_every_step
@@ -401,6 +401,36 @@ def test_a_sized_stream_shorter_than_its_len_says_what_likely_happened(data_dir)
     with pytest.raises(SampleFetchError, match="stream ended before sample 20, but its len\\(\\) "
                                                "is 40.*splits its stream itself by rank"):
         list(loader)
+
+
+def _ranges(shard: tuple[int, int]) -> Iterator[int]:
+    yield from range(*shard)
+
+
+class LongerThanItsLen(IterableDataset[int]):
+    """A stream of 23 samples whose ``__len__`` (an estimate) says 20."""
+
+    def __len__(self) -> int:
+        return 20
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(23))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("source", ["plain", "shards"])
+def test_a_stream_longer_than_its_declared_length_is_refused(source: str, workers: int) -> None:
+    """The samples past it would be lost every epoch, in silence (``DataLoader`` reads them)."""
+    if source == "plain":
+        dataset: Any = LongerThanItsLen()
+        match = r"the LongerThanItsLen stream goes on past its len\(\) \(20\).*Fix __len__"
+    else:
+        dataset = GeneratorSource(_ranges, [(0, 10), (10, 23)], lengths=[10, 12])
+        match = r"shard 1 goes on past its declared length \(12\).*shard_lengths"
+    loader = ResumableLoader(dataset, batch_size=4, num_workers=workers)
+    with pytest.raises(SampleFetchError, match=match):
+        list(loader)
+    loader.close()
 
 
 # -- the Stateful protocol -------------------------------------------------------------------
