@@ -37,8 +37,11 @@ Resume
 
 Refused
     A dataset already split by rank with ``datasets.distributed.split_dataset_by_node``: pass
-    the unsplit dataset, the loader shards it. A map-style ``datasets.Dataset`` is not a source:
-    give it to ``ResumableLoader`` directly (it is read through its ``__getitems__``).
+    the unsplit dataset, the loader shards it. A dataset of several shards with a step that
+    gives other samples when it runs per shard (``take``, ``skip``, ``interleave_datasets``
+    stopping at the first exhausted source): pass it to ``ResumableLoader`` directly. A
+    map-style ``datasets.Dataset`` is not a source: give it to ``ResumableLoader`` directly (it
+    is read through its ``__getitems__``).
 
 ``HFSource`` reads a few internals of ``datasets`` (how an ``IterableDataset`` is iterated
 without its worker split, and what its pipeline is made of; checked against datasets 5.2).
@@ -220,6 +223,29 @@ def _check_dataset(dataset: Any) -> None:
             f"this dataset was split by rank with datasets.distributed.split_dataset_by_node "
             f"(rank {distributed.rank} of {distributed.world_size}); the loader shards the "
             "dataset over ranks and workers itself, so pass the unsplit dataset to HFSource")
+    if dataset.num_shards > 1:
+        for step in _steps(dataset._ex_iterable):
+            whole = _whole_stream_only(step)
+            if whole:
+                raise ValueError(
+                    f"HFSource reads the dataset shard by shard (dataset.shard(n, i)), and "
+                    f"its {whole} applies to each shard then, not to the whole stream: other "
+                    "samples than the dataset yields would be read. Pass the dataset to "
+                    "ResumableLoader directly (read whole, strided over ranks and workers), or "
+                    "apply it per shard yourself")
+
+
+def _whole_stream_only(step: Any) -> str:
+    """The pipeline step, described, whose result differs when it runs per shard: ``take``
+    and ``skip`` (their count is spread over the shards) and ``interleave_datasets`` that stops
+    at the first exhausted source (per shard, it stops elsewhere); ``""`` for any other."""
+    kind = type(step).__name__
+    if kind in ("TakeExamplesIterable", "SkipExamplesIterable"):
+        return f"{kind[:4].lower()}(n)"
+    stops_first = getattr(step, "stopping_strategy", "") == "first_exhausted"
+    if "CyclingMultiSources" in kind and stops_first:
+        return "interleave_datasets(..., stopping_strategy='first_exhausted')"
+    return ""
 
 
 def _examples(dataset: HFIterableDataset) -> Iterator[Any]:

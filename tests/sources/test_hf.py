@@ -292,8 +292,8 @@ KNOWN = {
 UNKNOWN = {
     "filtered": lambda: streamed().filter(keep_most),
     "batched map": lambda: streamed().map(double_batch, batched=True, batch_size=3),
-    "skip": lambda: streamed().skip(3),
-    "take": lambda: streamed().take(30),
+    "skip, one shard": lambda: rows(N).to_iterable_dataset(num_shards=1).skip(3),
+    "take, one shard": lambda: rows(N).to_iterable_dataset(num_shards=1).take(30),
     "generator": lambda: datasets.IterableDataset.from_generator(_generated),
 }
 
@@ -318,6 +318,19 @@ def test_lengths_are_unknown_when_the_pipeline_can_drop_or_add_rows(pipeline) ->
     scanned = HFSource(UNKNOWN[pipeline](), lengths="scan")
     assert scanned.shard_lengths == [sum(1 for _ in source.open_shard(i))
                                      for i in range(source.num_shards)]
+
+
+@pytest.mark.parametrize(("step", "named"), [
+    (lambda d: d.take(10), "take"), (lambda d: d.skip(5), "skip"),
+    (lambda d: datasets.interleave_datasets([d, d.map(double)]), "first_exhausted")])
+def test_steps_that_differ_per_shard_are_refused_and_read_whole_instead(step, named) -> None:
+    """Read shard by shard, ``take(10)`` would keep 10 samples spread over the shards, not the
+    stream's first 10; passed to ``ResumableLoader`` directly, the stream is read whole."""
+    dataset = step(streamed())
+    with pytest.raises(ValueError, match=f"shard by shard.*{named}.*ResumableLoader directly"):
+        HFSource(dataset)
+    got = ResumableLoader(dataset, batch_size=None, num_workers=2)
+    assert sorted(map(str, got)) == sorted(map(str, dataset))
 
 
 @pytest.mark.parametrize("policy", ["keep", "drop", "pad", "rollover"])
