@@ -202,6 +202,11 @@ class ResumableIterableLoader(ResumableLoader):
         if shuffle and strided and shuffle_buffer == 0:
             raise ValueError(f"shuffle=True on a plain {type(dataset).__name__} (no shards to "
                              "reorder) needs shuffle_buffer > 0 to mix samples")
+        if shuffle and len(source.shards) == 1 and shuffle_buffer == 0:
+            raise ValueError(f"shuffle=True reorders the shards, and this "
+                             f"{type(dataset).__name__} has one: every epoch would come in the "
+                             "same order. Pass shuffle_buffer > 0 to mix samples, or split the "
+                             "data into more shards (files, Parquet row groups)")
         self.shuffle = bool(shuffle)
         self.shuffle_buffer = shuffle_buffer
         self.sync_interval = options.sync_interval

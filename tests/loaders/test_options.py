@@ -97,6 +97,8 @@ class _Stream(IterableDataset[int]):
 
 ITERABLE_BAD_SETTINGS = [  # the same checks reach ResumableLoader over an iterable dataset
     (lambda: SequenceSource([[], []]), {}, r"is empty: its shard lengths add up to 0"),
+    (lambda: SequenceSource([[1, 2, 3]]), {"shuffle": True},
+     r"shuffle=True reorders the shards, and this SequenceSource has one.*shuffle_buffer > 0"),
     (lambda: SequenceSource([[1, 2], [3]]), {"num_workers": -1}, r"num_workers must be .* 0"),
     (lambda: SequenceSource([[1, 2], [3]]), {"batch_size": 0}, r"batch_size must be an int >= 1"),
     (lambda: SequenceSource([[1, 2], [3]]), {"on_error": "ignore"}, r"on_error must be one of"),
