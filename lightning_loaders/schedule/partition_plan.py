@@ -25,7 +25,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from lightning_loaders.schedule.shard_plan import Piece, PlanConfig, epoch_pieces, split
+from lightning_loaders.schedule.shard_plan import (
+    Piece,
+    PlanConfig,
+    epoch_pieces,
+    keep_fix,
+    split,
+)
 
 __all__ = ["Partitions", "Segment", "deal", "partition_epoch", "uses_partitions"]
 
@@ -111,7 +117,7 @@ def deal(config: PlanConfig, epoch: int, partitions: int, world_size: int,
         raise ValueError(
             f"last_batch='keep' cannot give each of {world_size} ranks a non-empty last batch "
             f"from the {samples} samples left with batch_size={size}; use last_batch='pad' or "
-            "'drop', a batch_size >= 2, or evaluation=True")
+            f"'drop', {keep_fix(size)}or evaluation=True")
     for r, batch in enumerate(_cut(tail, sizes)):
         ranks[r].append(batch)
     return tuple(tuple(batches) for batches in ranks)

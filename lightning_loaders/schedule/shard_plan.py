@@ -23,6 +23,7 @@ __all__ = [
     "PlanConfig",
     "delivered_counts",
     "epoch_pieces",
+    "keep_fix",
     "locate",
     "plan_epoch",
     "shard_order",
@@ -112,7 +113,8 @@ def _span_layout(config: PlanConfig, epoch: int, world_size: int, slots: int) ->
                 raise ValueError(
                     f"last_batch='keep' cannot give each of {world_size} ranks {batches} "
                     f"non-empty batches from {total} samples with batch_size={size}; use "
-                    "last_batch='pad' or 'drop', a batch_size >= 2, or evaluation=True")
+                    f"last_batch='pad' or 'drop', {keep_fix(size)}or "
+                    "evaluation=True")
             batches = total // world_size  # the leftovers join the first ranks' last batch
         per_rank = [split(total // world_size + (r < total % world_size), batches, size)
                     for r in range(world_size)]
@@ -249,6 +251,13 @@ def _unknown_layout(config: PlanConfig, epoch: int, world_size: int, slots: int)
     for i, shard in enumerate(shard_order(config, epoch)):
         dealt[i % world_size][(i // world_size) % slots].append(Piece(int(shard), 0))
     return Layout(tuple(tuple(tuple(s) for s in r) for r in dealt), None, None)
+
+
+def keep_fix(size: int) -> str:
+    """The batch size to suggest when ``last_batch='keep'`` leaves fewer samples than ranks
+    (ending with a comma and a space)."""
+    return ("a batch_size >= 2, " if size == 1 else
+            "a batch_size that leaves at least one sample per rank after the full batches, ")
 
 
 def split(total: int, parts: int, size: int) -> tuple[int, ...]:

@@ -238,3 +238,15 @@ def test_another_world_size_is_accepted_except_under_rollover() -> None:
     rollover.load_state_dict(state)
     with pytest.raises(ValueError, match="rollover' with another world size: saved 2, now 1"):
         next(iter(rollover))
+
+
+@pytest.mark.parametrize(("size", "fix"), [(1, "a batch_size >= 2"),
+                                           (4, "a batch_size that leaves at least one sample")])
+def test_too_few_leftovers_for_the_ranks_name_a_fix_that_changes_something(size, fix) -> None:
+    """25 samples on 2 ranks: 1 left after the full global batches of 4 (and of 1, on 3)."""
+    total, world = (25, 2) if size == 4 else (7, 3)
+    with pytest.raises(ValueError, match=f"last_batch='keep' cannot give each of {world} ranks"
+                                         f".*batch_size={size}; use last_batch='pad' or 'drop', "
+                                         f"{fix}"):
+        list(ResumableLoader(SequenceSource([list(range(total))]), batch_size=size, rank=0,
+                             world_size=world))
