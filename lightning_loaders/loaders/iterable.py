@@ -93,14 +93,14 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
-from torch.utils.data import Sampler, default_convert
+from torch.utils.data import Sampler
 
 from lightning_loaders.collectives import agree_min, gather_by_rank
 from lightning_loaders.engines.pool import WorkerLost, WorkerStalled
 from lightning_loaders.engines.shard_reader import SlotFetcher
 from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.loaders.delivery import EpochSampler
-from lightning_loaders.loaders.options import LoaderOptions
+from lightning_loaders.loaders.options import LoaderOptions, unbatched_conversion
 from lightning_loaders.loaders.out_of_order import (
     WINDOW,
     DeliveredWindow,
@@ -163,11 +163,7 @@ class ResumableIterableLoader(ResumableLoader):
                              "shuffle=True and mix samples with shuffle_buffer")
         unbatched: _Unbatched | None = None
         if options.batch_size is None:  # each item delivered as it is, converted, as DataLoader
-            if options.drop_last:
-                raise ValueError("batch_size=None option disables auto-batching and is "
-                                 "mutually exclusive with drop_last (as in DataLoader)")
-            unbatched = _Unbatched(default_convert if options.collate_fn is None
-                                   else options.collate_fn)
+            unbatched = _Unbatched(unbatched_conversion(options))
             options = replace(options, batch_size=1, collate_fn=unbatched)
         self.last_batch: LastBatch = resolve_last_batch(options.last_batch, options.drop_last)
         self._take_options(dataset, options, drop_last=self.last_batch == "drop")

@@ -25,7 +25,6 @@ from torch.utils.data import (
     RandomSampler,
     Sampler,
     SequentialSampler,
-    default_convert,
 )
 
 from lightning_loaders.collectives import gather_by_rank
@@ -34,6 +33,7 @@ from lightning_loaders.engines.fetch import BatchFetcher, Numbered, Unbatched
 from lightning_loaders.engines.pool import WorkerLost, WorkerStalled
 from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.loaders.delivery import SizedEpochSampler
+from lightning_loaders.loaders.options import unbatched_conversion
 from lightning_loaders.loaders.out_of_order import (
     WINDOW,
     DeliveredWindow,
@@ -439,10 +439,7 @@ def _unbatched(options: LoaderOptions, dataset_len: int, seed: int
     """``batch_size=None`` (``DataLoader``'s unbatched loading): one sample per index of the
     sampler, or ``dataset[list]`` per list of a sampler that yields lists (bulk loading),
     converted by ``collate_fn`` (``default_convert`` by default), never collated."""
-    if options.drop_last:
-        raise ValueError("batch_size=None option disables auto-batching and is mutually "
-                         "exclusive with drop_last (as in DataLoader)")
-    collate_fn = default_convert if options.collate_fn is None else options.collate_fn
+    collate_fn = unbatched_conversion(options)
     sampler = options.sampler
     if sampler is not None and yields_batches(sampler):
         order, size, _ = order_from_batch_sampler(sampler, dataset_len, seed)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from torch.utils.data import default_convert
 
 from lightning_loaders.engines.autotune import AutotuneConfig
 from lightning_loaders.engines.faults import ON_ERROR, OnError
@@ -21,7 +22,7 @@ from lightning_loaders.loaders.tuned import is_auto
 from lightning_loaders.schedule.map_plan import LastBatch
 
 __all__ = ["BACKENDS", "LoaderOptions", "check_loader_arguments", "check_picklable",
-           "start_method"]
+           "start_method", "unbatched_conversion"]
 
 BACKENDS: tuple[str, ...] = ("process", "thread", "auto")
 """What ``num_workers`` workers are: worker processes, threads of this process, or
@@ -114,6 +115,15 @@ def check_loader_arguments(*, batch_size: Any, num_workers: Any, timeout: Any,
     if not _is_int(max_worker_restarts) or max_worker_restarts < 0:
         raise ValueError(f"max_worker_restarts must be an int >= 0, got "
                          f"{max_worker_restarts!r}: use 0 to raise at the first worker crash")
+
+
+def unbatched_conversion(options: LoaderOptions) -> Callable[[Any], Any]:
+    """What ``batch_size=None`` applies to each sample (or bulk read): the ``collate_fn``, else
+    ``default_convert``. ``drop_last`` is refused, as ``DataLoader`` refuses it."""
+    if options.drop_last:
+        raise ValueError("batch_size=None option disables auto-batching and is mutually "
+                         "exclusive with drop_last (as in DataLoader)")
+    return default_convert if options.collate_fn is None else options.collate_fn
 
 
 def start_method(multiprocessing_context: Any) -> str:
