@@ -191,7 +191,7 @@ class IterableSchedule(EpochOwner):
                 "first samples do not match): the loader shards one stream over the ranks, so "
                 "data would be lost or repeated. The dataset probably splits itself by rank "
                 "(reading torch.distributed), or shuffles with a seed drawn in each process "
-                "(e.g. WebDataset(shardshuffle=...) without seed=). Pass the unsplit dataset "
+                "(e.g. random.Random() in __iter__). Pass the unsplit dataset "
                 "with a fixed seed, or a first-class source (lightning_loaders.sources: "
                 "HFSource, WebDatasetSource, ParquetSource)")
 

@@ -61,11 +61,12 @@ from lightning_loaders.sources.shards import ShardedSource
 if TYPE_CHECKING:
     from datasets import IterableDataset as HFIterableDataset
 
-__all__ = ["HFSource"]
+__all__ = ["HFSource", "refuse_unseeded_shuffle"]
 
 HFLengths = Sequence[int] | Literal["auto", "scan"] | None
 
 _END = object()
+_DRAWN_ENTROPY = 1 << 64  # numpy draws 128 bits from the OS for a Generator given no seed
 
 # Pipeline steps that yield exactly one sample per input sample and keep the shard structure.
 _KEEPS_LENGTH = frozenset({
@@ -223,6 +224,7 @@ def _check_dataset(dataset: Any) -> None:
             f"this dataset was split by rank with datasets.distributed.split_dataset_by_node "
             f"(rank {distributed.rank} of {distributed.world_size}); the loader shards the "
             "dataset over ranks and workers itself, so pass the unsplit dataset to HFSource")
+    refuse_unseeded_shuffle(dataset)
     if dataset.num_shards > 1:
         for step in _steps(dataset._ex_iterable):
             whole = _whole_stream_only(step)
@@ -233,6 +235,24 @@ def _check_dataset(dataset: Any) -> None:
                     "samples than the dataset yields would be read. Pass the dataset to "
                     "ResumableLoader directly (read whole, strided over ranks and workers), or "
                     "apply it per shard yourself")
+
+
+def refuse_unseeded_shuffle(dataset: Any) -> None:
+    """Raise ``ValueError`` naming the fix if a Hugging Face ``IterableDataset`` shuffles with
+    a seed drawn in this process (``shuffle()`` without ``seed=``): another rank, or the
+    restarted run a resume is, would read another order, losing and repeating samples."""
+    if not type(dataset).__module__.startswith("datasets."):
+        return
+    for step in _steps(getattr(dataset, "_ex_iterable", None)):
+        seed_seq = getattr(getattr(getattr(step, "generator", None), "bit_generator", None),
+                           "seed_seq", None)
+        entropy = getattr(seed_seq, "entropy", None)
+        if isinstance(entropy, int) and entropy >= _DRAWN_ENTROPY:
+            raise ValueError(
+                f"this Hugging Face {type(dataset).__name__} shuffles with a seed drawn in "
+                "this process (shuffle() without seed=): every rank, and a resumed run, would "
+                "read another order, so samples would be lost and repeated. Give it one: "
+                "dataset.shuffle(seed=..., buffer_size=...)")
 
 
 def _whole_stream_only(step: Any) -> str:

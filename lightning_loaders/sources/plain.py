@@ -9,6 +9,9 @@ view the dataset's code runs in while it is read: ``get_worker_info()`` returns 
 the environment says rank 0 of 1, so the dataset yields its whole stream in every slot.
 Datasets that split by rank from their own configuration (HF ``split_dataset_by_node``, a
 WebDataset ``split_by_node`` stage) cannot be undone by a view and are refused with the fix.
+Shuffles seeded per process would make every slot's stream another: the global RNGs and a
+WebDataset's own shuffles are seeded from the loader's seed and the epoch when the stream
+opens, and a Hugging Face ``shuffle()`` without a seed is refused.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import hashlib
 import itertools
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -27,6 +30,8 @@ from torch.utils.data import IterableDataset
 from torch.utils.data._utils import worker as torch_worker
 
 from lightning_loaders.context import seeded_global_rngs
+from lightning_loaders.hashing import mix64
+from lightning_loaders.sources.hf import refuse_unseeded_shuffle
 from lightning_loaders.sources.shards import ShardedSource
 
 __all__ = ["PlainStream", "refuse_rank_split", "sole_reader"]
@@ -40,6 +45,8 @@ _SOURCES_HINT = ("or use a first-class source (lightning_loaders.sources: HFSour
 _PIPELINE_DEPTH = 4
 _DIGEST_SAMPLES = 8
 _OPEN_TAG = 0x0BE5  # keys the RNGs a plain stream is opened with
+_SHUFFLE_TAG = 0x5EED  # keys the seeds of a WebDataset's own shuffles
+_OPENING = threading.Lock()  # one slot at a time seeds the global RNGs and the shuffles
 
 
 @contextmanager
@@ -116,27 +123,22 @@ def refuse_rank_split(dataset: Any) -> None:
             f"{getattr(distributed, 'rank', '?')} of {getattr(distributed, 'world_size', '?')}); "
             "ResumableLoader shards over ranks itself, so each rank would read only its share "
             "of that share. Pass the unsplit dataset, " + _SOURCES_HINT)
-    if _has_stage(dataset, _PIPELINE_DEPTH, _is_node_splitter):
+    if any(map(_is_node_splitter, _stages(dataset, _PIPELINE_DEPTH))):
         raise ValueError(
             f"this WebDataset {name} splits its shards by node (a split_by_node stage, e.g. "
             "nodesplitter=webdataset.split_by_node); ResumableLoader shards over ranks itself, "
             "so each rank would read only its share of that share. Drop the node splitter (the "
             "default nodesplitter is fine), " + _SOURCES_HINT)
-    if _has_stage(dataset, _PIPELINE_DEPTH, _is_unseeded_shuffle):
-        raise ValueError(
-            f"this WebDataset {name} has a .shuffle(n) stage without a seed: it seeds itself "
-            "from the process id and the clock, so every worker, rank and resume would read "
-            "another stream (samples lost and repeated). Give it one (.shuffle(n, seed=...)), "
-            "or drop it and pass shuffle_buffer=n to the loader, which mixes samples "
-            "resumably, " + _SOURCES_HINT)
 
 
-def _has_stage(pipeline: Any, depth: int, found: Callable[[Any], bool]) -> bool:
-    """Whether a WebDataset pipeline (or one nested in it) has a stage that is ``found``."""
+def _stages(pipeline: Any, depth: int) -> Iterator[Any]:
+    """Every stage of a WebDataset pipeline and of the pipelines nested in it, in order."""
     stages = getattr(pipeline, "pipeline", None)
     if depth == 0 or not isinstance(stages, list):
-        return False
-    return any(found(stage) or _has_stage(stage, depth - 1, found) for stage in stages)
+        return
+    for stage in stages:
+        yield stage
+        yield from _stages(stage, depth - 1)
 
 
 def _webdataset_function(stage: Any, name: str) -> bool:
@@ -151,13 +153,23 @@ def _is_node_splitter(stage: Any) -> bool:
     return _webdataset_function(stage, "split_by_node")
 
 
-def _is_unseeded_shuffle(stage: Any) -> bool:
-    """A ``.shuffle(n)`` stage given neither ``rng`` nor ``seed`` (also positionally)."""
-    if not _webdataset_function(stage, "_shuffle"):
-        return False
-    keywords = getattr(stage, "kw", {})
-    return (len(getattr(stage, "args", ())) < 3 and keywords.get("rng") is None
-            and keywords.get("seed") is None)
+def _seed_webdataset_shuffles(pipeline: Any, seed: int, epoch: int) -> None:
+    """Seed a WebDataset pipeline's own shuffles (``shardshuffle=``'s stage, ``.shuffle(n)``)
+    from the loader's seed and the epoch, before it is opened.
+
+    WebDataset draws their seed in each process when none is given, so every rank and every
+    restarted run would read another stream (a resume losing and repeating samples), and a
+    given seed repeats one order every epoch. Seeded here, the stream is a function of the
+    loader's seed and the epoch, like the rest of the order.
+    """
+    for position, stage in enumerate(_stages(pipeline, _PIPELINE_DEPTH)):
+        value = mix64(_SHUFFLE_TAG, seed, epoch, position) & 0x7FFFFFFF
+        if (type(stage).__name__ == "detshuffle"
+                and type(stage).__module__.startswith("webdataset")):
+            stage.seed, stage.epoch = value, -1  # its run() counts the epoch up to 0
+        elif _webdataset_function(stage, "_shuffle"):
+            kept = {name: v for name, v in stage.kw.items() if name not in ("rng", "seed")}
+            stage.args, stage.kw = stage.args[:2], {**kept, "seed": value}  # (bufsize, initial)
 
 
 class PlainStream(ShardedSource[Any]):
@@ -173,6 +185,7 @@ class PlainStream(ShardedSource[Any]):
 
     def __init__(self, dataset: IterableDataset[Any], seed: int = 0) -> None:
         refuse_rank_split(dataset)
+        refuse_unseeded_shuffle(dataset)
         self.dataset = dataset
         self.seed = seed
         self._epoch = 0
@@ -200,7 +213,8 @@ class PlainStream(ShardedSource[Any]):
         dataset that draws its order from them (``random.shuffle`` of its files) is then the
         same stream in every slot, rank and resume of the epoch, where the RNGs of each
         batch's fetch (seeded per slot and batch) would make every slot's stream another."""
-        with seeded_global_rngs(_OPEN_TAG, self.seed, self._epoch):
+        with _OPENING, seeded_global_rngs(_OPEN_TAG, self.seed, self._epoch):
+            _seed_webdataset_shuffles(self.dataset, self.seed, self._epoch)
             stream = iter(self.dataset)
             head = list(itertools.islice(stream, 1))
         return _chained(head, stream)

@@ -161,15 +161,22 @@ def write_data(data_dir: Path, total: int = TOTAL) -> Path:
     return data_dir
 
 
-def webdataset_seeded_shuffle(data_dir: str) -> IterableDataset[Any]:
-    """``WebDataset(urls)`` whose samples pass through a seeded ``.shuffle(n)`` buffer."""
+def webdataset_shuffled(data_dir: str, detshuffle: bool = False) -> IterableDataset[Any]:
+    """WebDataset's usual training set-up: shards shuffled (``shardshuffle=n``) and samples
+    mixed by a ``.shuffle(n)`` buffer, neither given a seed (WebDataset draws them)."""
     urls = sorted(str(path) for path in Path(data_dir).glob("*.tar"))
-    return wds.WebDataset(urls, shardshuffle=False).shuffle(8, seed=3).decode().map(_wds_sample)
+    return (wds.WebDataset(urls, shardshuffle=4, detshuffle=detshuffle).shuffle(8).decode()
+            .map(_wds_sample))
+
+
+def hf_shuffled(data_dir: str) -> IterableDataset[Any]:
+    """A Hugging Face stream reordering its shards and mixing samples with a seeded buffer."""
+    return ddp_hf(data_dir).shuffle(seed=3, buffer_size=8)
 
 
 BUILDERS: dict[str, Callable[[str], IterableDataset[Any]]] = {
-    "torch-doc": ddp_torch_doc, "hf": ddp_hf, "webdataset": ddp_webdataset,
-    "webdataset-shuffled": webdataset_seeded_shuffle}
+    "torch-doc": ddp_torch_doc, "hf": ddp_hf, "hf-shuffled": hf_shuffled,
+    "webdataset": ddp_webdataset, "webdataset-shuffled": webdataset_shuffled}
 
 
 class ShuffledFiles(IterableDataset[dict[str, int]]):
@@ -242,13 +249,30 @@ def test_a_stream_shuffled_by_the_global_rngs_is_one_stream_in_every_slot(worker
                                     seed=5), epochs=2, key=lambda batch: batch["id"].tolist())
 
 
-def test_a_webdataset_shuffle_without_a_seed_is_refused_with_the_fix(data_dir) -> None:
-    """It seeds itself from the pid and the clock: no two slots or runs read one stream."""
-    urls = sorted(str(path) for path in data_dir.glob("*.tar"))
-    dataset = wds.WebDataset(urls, shardshuffle=False).shuffle(8).decode()
-    with pytest.raises(ValueError, match=r"\.shuffle\(n\) stage without a seed.*"
-                                         r"seed=\.\.\..*shuffle_buffer=n"):
-        ResumableLoader(dataset, batch_size=BATCH)
+@pytest.mark.parametrize("detshuffle", [False, True])
+def test_a_webdatasets_own_shuffles_are_seeded_from_the_loader(detshuffle, data_dir) -> None:
+    """WebDataset draws their seeds in each process: two datasets built apart (two ranks, or a
+    run and its resume) read one stream, and each epoch and loader seed another order."""
+
+    def epochs(seed: int) -> list[list[int]]:
+        loader = ResumableLoader(webdataset_shuffled(str(data_dir), detshuffle),
+                                 batch_size=BATCH, seed=seed)
+        out = _epoch_ids(loader, 2)
+        loader.close()
+        return out
+
+    first, again, other_seed = epochs(5), epochs(5), epochs(6)
+    assert first == again
+    assert first[0] != first[1] and first[0] != other_seed[0]
+    for ids in first:
+        assert Counter(ids) == Counter(read_ids(str(data_dir)))
+
+
+def test_a_hf_shuffle_without_a_seed_is_refused_with_the_fix(data_dir) -> None:
+    """Its seed is drawn in each process: no two ranks or runs would read one order."""
+    with pytest.raises(ValueError, match=r"seed drawn in this process.*"
+                                         r"dataset\.shuffle\(seed=\.\.\., buffer_size"):
+        ResumableLoader(ddp_hf(str(data_dir)).shuffle(buffer_size=8), batch_size=BATCH)
 
 
 @pytest.mark.parametrize("name", BUILDERS)
@@ -525,11 +549,14 @@ def test_ddp_datasets_splitting_by_torch_distributed_or_seeding_per_rank_are_ref
         data_dir, tmp_path) -> None:
     """What the sole-reader view cannot undo is caught on real ranks, never quietly wrong:
     with unknown length the ranks compare their streams' first samples once per epoch; with
-    known length the stream ends before its len()."""
+    known length the stream ends before its len(). A WebDataset seeding its shard shuffle per
+    rank is read whole: the loader seeds its shuffles."""
     runs = run_ddp(REPO / "tests" / "scripts" / "self_sharding_ddp.py", [str(data_dir)],
                    tmp_path / "ddp")
+    delivered = Counter(i for run in runs for i in run["wds-seed-per-rank-w2"]["ids"])
+    assert delivered == Counter(read_ids(str(data_dir)))
     for rank, run in enumerate(runs):
-        for case in ("dist-unsized-w0", "dist-unsized-w2", "wds-seed-per-rank-w2"):
+        for case in ("dist-unsized-w0", "dist-unsized-w2", "seed-per-rank-w2"):
             assert run[case].get("error", "").startswith(
                 "ValueError: the plain dataset's stream differs between ranks in epoch 0"), (
                 rank, case, run[case])

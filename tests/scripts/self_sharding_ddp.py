@@ -11,14 +11,16 @@ rank received or the error it raised::
 
 from __future__ import annotations
 
+import random
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import webdataset as wds
+from torch.utils.data import IterableDataset
 
 from lightning_loaders import ResumableLoader
 from tests.ddp_harness import write_result
@@ -30,9 +32,21 @@ class UnsizedDistRankSplit(DistRankSplit):
         raise TypeError("unsized")
 
 
-def seeded_per_rank(data_dir: str) -> Any:
+class RankSeededShuffle(IterableDataset[dict[str, int]]):
+    """Shuffles its ids with a generator seeded by the rank (its own, not the global RNGs)."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def __iter__(self) -> Iterator[dict[str, int]]:
+        order = list(self.ids)
+        random.Random(dist.get_rank()).shuffle(order)
+        return ({"id": i} for i in order)
+
+
+def webdataset_seeded_per_rank(data_dir: str) -> Any:
     """A WebDataset whose shard shuffle seed differs by rank (as ``seed=None`` draws one per
-    process); seeds 0 and 1 give different shard orders."""
+    process): the loader seeds its shuffles, so the ranks read one stream."""
     urls = sorted(str(path) for path in Path(data_dir).glob("*.tar"))
     return wds.WebDataset(urls, shardshuffle=4, seed=dist.get_rank()).decode().map(_wds_sample)
 
@@ -46,7 +60,8 @@ def main() -> None:
         "dist-unsized-w0": (lambda: UnsizedDistRankSplit(ids), 0),
         "dist-unsized-w2": (lambda: UnsizedDistRankSplit(ids), 2),
         "dist-sized-w0": (lambda: DistRankSplit(ids), 0),
-        "wds-seed-per-rank-w2": (lambda: seeded_per_rank(data_dir), 2),
+        "seed-per-rank-w2": (lambda: RankSeededShuffle(ids), 2),
+        "wds-seed-per-rank-w2": (lambda: webdataset_seeded_per_rank(data_dir), 2),
     }
     results: dict[str, Any] = {}
     for name, (build, workers) in cases.items():

@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -384,6 +385,16 @@ def test_a_dataset_split_by_rank_is_refused_naming_the_fix() -> None:
     split = split_dataset_by_node(streamed(), rank=1, world_size=2)
     with pytest.raises(ValueError, match="split_dataset_by_node.*pass the unsplit dataset"):
         HFSource(split)
+
+
+@pytest.mark.parametrize("generator", [None, "unseeded"])
+def test_a_shuffle_with_a_seed_drawn_in_the_process_is_refused_naming_the_fix(generator) -> None:
+    """Another rank, or the run a resume starts, would draw another order; a seeded one (the
+    pipelines above) or a seeded generator is accepted."""
+    drawn = None if generator is None else np.random.default_rng()
+    with pytest.raises(ValueError, match=r"seed drawn in this process.*shuffle\(seed=\.\.\."):
+        HFSource(streamed().shuffle(generator=drawn, buffer_size=4))
+    HFSource(streamed().shuffle(generator=np.random.default_rng(7), buffer_size=4))
 
 
 @pytest.mark.parametrize(
