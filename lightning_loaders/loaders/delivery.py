@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, Self
 
 from lightning_loaders.loaders.prefetch import batches_held, find_prefetcher
@@ -58,6 +59,8 @@ class Schedule(Protocol):
     def state_dict(self, held: int = 0) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+    def loading(self) -> AbstractContextManager[None]: ...
 
 
 class DeliveryCore:
@@ -128,8 +131,9 @@ class DeliveryCore:
         parts = state_dict.get(PARTS) if isinstance(state_dict, Mapping) else None
         if isinstance(parts, Mapping):
             self._check_parts(parts)
-        self.schedule.load_state_dict(state_dict)
-        self._load_parts(state_dict[PARTS])
+        with self.schedule.loading():
+            self.schedule.load_state_dict(state_dict)
+            self._load_parts(state_dict[PARTS])
 
     def close(self) -> None:
         """Stop the engine now; an iterator used afterwards goes on from the cursor."""

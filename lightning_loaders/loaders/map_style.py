@@ -234,12 +234,12 @@ class MapStyleLoader(ResumableLoader):
         _saved_skip_count(parts)
 
     def _load_parts(self, parts: Mapping[str, Any]) -> None:
+        if _DATASET in parts and isinstance(self.dataset, Stateful):
+            self.dataset.load_state_dict(copy.deepcopy(parts[_DATASET]))  # may refuse: first
+            self.close()
         self._num_skipped = _saved_skip_count(parts)
         self._recent_skips.clear()
         self._restored = True
-        if _DATASET in parts and isinstance(self.dataset, Stateful):
-            self.dataset.load_state_dict(copy.deepcopy(parts[_DATASET]))
-            self.close()
 
     def close(self) -> None:
         """Shut the worker processes down now (they also stop when the loader is collected).

@@ -26,6 +26,8 @@ schedule makes exactly the decision the uninterrupted one would have made.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from lightning_loaders.placement import resolve_rank_world
@@ -130,6 +132,17 @@ class EpochOwner:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a cursor; the next ``begin_epoch`` continues exactly after its last batch."""
         raise NotImplementedError
+
+    @contextmanager
+    def loading(self) -> Iterator[None]:
+        """Around ``load_state_dict`` and the restoring of the rest of a loader's state: if
+        anything in it raises, the schedule is as it was (nothing pending is replaced)."""
+        pending = self._pending
+        try:
+            yield
+        except BaseException:
+            self._pending = pending
+            raise
 
     def _resume(self, state: LoaderState, rank: int, world_size: int) -> None:
         raise NotImplementedError

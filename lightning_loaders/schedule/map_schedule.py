@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -201,24 +202,30 @@ class MapSchedule(EpochOwner):
         """Restore a cursor; the next ``begin_epoch`` continues exactly after its last batch."""
         state = LoaderState.from_dict(state_dict, KIND, self.fingerprint())
         self._check_cursor(state)
-        previous = None
-        if isinstance(self.order, Stateful) and ORDER_STATE in state.parts:
-            previous = self.order.state_dict()
-            self.order.load_state_dict(state.parts[ORDER_STATE])
-        if AUDIT in state.parts:
-            self._audited = None  # the order's restored state may draw otherwise
-            try:
+        with self.loading():
+            if isinstance(self.order, Stateful) and ORDER_STATE in state.parts:
+                self.order.load_state_dict(state.parts[ORDER_STATE])
+            if AUDIT in state.parts:
+                self._audited = None  # the order's restored state may draw otherwise
                 check_audit(state.parts[AUDIT], state.epoch, state.batches, state.world_size,
                             lambda rank: self._digest(state.epoch, state.batches,
                                                       state.offset_batches,
                                                       state.offset_position, state.world_size,
                                                       rank))
-            except StateMismatchError:
-                if previous is not None:
-                    assert isinstance(self.order, Stateful)
-                    self.order.load_state_dict(previous)
-                raise
-        self._pending = state
+            self._pending = state
+
+    @contextmanager
+    def loading(self) -> Iterator[None]:
+        """As the base's, and the order's own state (a stateful sampler's) is put back too."""
+        previous = self.order.state_dict() if isinstance(self.order, Stateful) else None
+        try:
+            with super().loading():
+                yield
+        except BaseException:
+            if previous is not None:
+                assert isinstance(self.order, Stateful)
+                self.order.load_state_dict(previous)
+            raise
 
     def _check_cursor(self, state: LoaderState) -> None:
         """Refuse a cursor outside the plan it was counted in (a corrupted or edited state)."""

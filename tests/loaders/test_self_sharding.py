@@ -477,6 +477,36 @@ def test_a_map_style_datasets_own_state_comes_back_on_resume(workers) -> None:
     resumed.close()
 
 
+class Versioned(Curriculum):
+    """Refuses a saved state of another version, as a dataset checking its own state does."""
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("version", 1) != 1:
+            raise ValueError(f"dataset state version {state['version']}, expected 1")
+        super().load_state_dict(state)
+
+
+def test_a_state_the_dataset_refuses_changes_nothing() -> None:
+    """The cursor, the dataset and the skip count stay those of the last accepted state."""
+    loader = ResumableLoader(Versioned(12), batch_size=BATCH, seed=1, shuffle=True)
+    it = iter(loader)
+    next(it)
+    first = loader.state_dict()
+    next(it)
+    later = loader.state_dict()
+    rest = [batch["id"].tolist() for batch in it]
+    loader.close()
+    later["parts"]["dataset"] = {"level": 5, "version": 2}
+    resumed = ResumableLoader(Versioned(12), batch_size=BATCH, seed=1, shuffle=True)
+    resumed.load_state_dict(first)
+    with pytest.raises(ValueError, match="version 2, expected 1"):
+        resumed.load_state_dict(later)
+    assert resumed.state_dict() == first
+    got = [batch["id"].tolist() for batch in resumed]
+    assert got[1:] == rest and len(got) == len(rest) + 1
+    resumed.close()
+
+
 class Growing(Sampler[int]):
     """A ``Stateful`` sampler: each draw shows more of the dataset."""
 
