@@ -114,6 +114,7 @@ class ProcessPool:
         self._started: Any = None
         self._stop: Any = None
         self._start_deadline: float | None = None
+        self._stalled: set[int] = set()  # workers reported stalled (killed at close)
 
     def __iter__(self) -> _ProcessIterator:
         if self.workers and not self.persistent_workers:
@@ -126,13 +127,18 @@ class ProcessPool:
 
     def close(self) -> None:
         """Stop the workers: each is asked to exit after the fetch it is in, and killed if it
-        has not within ``JOIN_S``; then the slots of their rings are unlinked."""
+        has not within ``JOIN_S`` (one reported stalled is killed at once, so a timeout's
+        error comes on time); then the slots of their rings are unlinked."""
         workers, self.workers = self.workers, []
+        stalled, self._stalled = self._stalled, set()
         if not workers:
             return
         _LIVE.discard(self)
         self._stop.value = 1  # requests sent and not started are dropped
-        for worker in workers:
+        for w, worker in enumerate(workers):
+            if w in stalled:
+                worker.process.kill()
+                continue
             try:
                 worker.requests.send(None)
             except OSError:  # gone already
@@ -267,6 +273,7 @@ class _ProcessIterator(PoolIterator):
                     return message
             if deadline is not None and time.monotonic() >= deadline:
                 worker = self._due_worker()
+                pool._stalled.add(worker)
                 raise WorkerStalled(worker, pool.workers[worker].process.pid, pool.timeout)
 
     def _receive(self, pipe: Connection) -> Arrival | None:

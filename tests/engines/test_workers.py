@@ -410,6 +410,34 @@ def test_a_timeout_names_the_worker_that_stalled() -> None:
     assert loader_processes() == []
 
 
+class MarksAfterAStall(IndexDataset):
+    """Sample 2 sleeps, then leaves a mark: the mark says whether its fetch was waited for."""
+
+    def __init__(self, n: int, mark: str) -> None:
+        super().__init__(n)
+        self.mark = mark
+
+    def __getitem__(self, index: int):
+        if index == 2:
+            time.sleep(2.0)
+            open(self.mark, "w").close()
+        return super().__getitem__(index)
+
+
+def test_a_stalled_worker_is_killed_at_once_not_waited_for(tmp_path) -> None:
+    """The error comes at ``timeout``, not after the stalled fetch ends (close() would
+    otherwise wait for it, up to JOIN_S)."""
+    mark = tmp_path / "fetched"
+    loader = ResumableLoader(MarksAfterAStall(8, str(mark)), batch_size=2, num_workers=2,
+                             timeout=0.5)
+    iterator = iter(loader)
+    next(iterator)
+    with pytest.raises(WorkerTimeoutError):
+        next(iterator)
+    assert not mark.exists()
+    assert loader_processes() == []
+
+
 # -- shutdown ------------------------------------------------------------------------------
 
 
