@@ -142,10 +142,14 @@ class ExactResume(Callback):
     dropped, which is exact for a fixed order (``shuffle=False``, as Lightning's validation
     samplers have). A pass interrupted inside a step (its batch fetched, its step not finished)
     and a ``CombinedLoader`` in another mode than ``"sequential"`` replay the same way. After a
-    pass that stops before the loader's epoch ends (``limit_val_batches``, or the sanity check's
-    ``num_sanity_val_steps``) its state is mid-epoch, which a restored loader would continue
-    while the live one starts its next epoch: such a loader starts afresh on restore, which is
-    exact for a fixed order without epoch-dependent randomness.
+    pass that stops before the loader's epoch ends (``limit_val_batches``, the sanity check's
+    ``num_sanity_val_steps``, or a ``CombinedLoader`` mode: ``"max_size_cycle"`` cycling the
+    shorter members, ``"min_size"`` stopping the longer ones) its state is mid-epoch, which a
+    restored loader would continue while the live one starts its next epoch: such a loader
+    starts afresh on restore, which is exact for a fixed order without epoch-dependent
+    randomness. A loader no pass has read yet starts afresh too, at the trainer's epoch, as
+    the live one does; one whose part of an interrupted pass was over gets its state at the
+    next pass.
 
     With ``ResumableDataModule``: the data module carries the training loaders' cursors in its
     own state and makes its validation loaders resumable; ``ExactResume`` carries the pending
@@ -215,8 +219,7 @@ class ExactResume(Callback):
         if self._pending is not None or trainer is None:  # restored, not run yet
             return _state(self._epoch, self._pending, self._loader_states)
         loaders = _val_loaders(trainer)
-        states = (self._loader_states if self._loader_states is not None
-                  else _states(trainer, loaders, self._after_sanity))
+        states = _overlaid(self._loader_states, _states(trainer, loaders, self._after_sanity))
         pending: _Pending | None = None
         if _fitting(trainer) and trainer.validating:
             pending, states = self._rest_of_pass(trainer, loaders, states)
@@ -308,6 +311,8 @@ class ExactResume(Callback):
         restored = states is not None and any(state is not None for state in states)
         if restored or (resuming is not None and resuming.positioned):
             start = _reposition(trainer, states, resuming)
+        if states is not None and start[0] > 0:  # those loaders' pass is over: next pass
+            self._loader_states = _overlaid(states[:start[0]], [None] * len(states))
         origin = resuming.origin if resuming is not None else None
         if origin is None:
             origin = _states(trainer, loaders, self._after_sanity) or []
@@ -347,6 +352,11 @@ class ExactResume(Callback):
         origin = tracker.origin
         if not _sequential(trainer):
             return _Pending(batch_idx=k, replay=k, origin=origin), origin
+        limits = val_loop.max_batches
+        while j < len(loaders) and k >= limits[j]:  # that loader's part of the pass is done
+            j, k = j + 1, 0
+        if j == len(loaders):
+            return None, between
         between = between if between is not None else [None] * len(loaders)
         states = [between[i] if i < j else origin[i] for i in range(len(loaders))]
         exact = handed == stepped and not _prefetched(trainer)
@@ -480,38 +490,84 @@ def _is_stateful(loader: Any) -> bool:
 def _states(trainer: L.Trainer, loaders: Sequence[Any], after_sanity: bool
             ) -> list[Any] | None:
     """The validation loaders' states to restore between passes (``None``: no loaders yet);
-    ``None`` for a loader without state or whose last pass (``after_sanity``: the sanity
-    check) stopped before its epoch ended."""
+    ``None`` for a loader without state, one no pass has read yet (it starts at the
+    trainer's epoch when restored as when new), and one whose last pass (``after_sanity``:
+    the sanity check) left it mid-epoch, which a restored loader would continue while the
+    live one starts its next epoch."""
     if not loaders:
         return None
-    limits = trainer.fit_loop.epoch_loop.val_loop.max_batches
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    limits = val_loop.max_batches
     if after_sanity:
         limits = [min(limit, trainer.num_sanity_val_steps) for limit in limits]
-    return [loader.state_dict() if _is_stateful(loader) and not _stops_early(loader, limit)
-            else None for loader, limit in zip(loaders, limits, strict=True)]
+    combined = val_loop._combined_loader
+    mode = combined._mode if combined is not None else "sequential"
+    states: list[Any] = []
+    for loader, read in zip(loaders, _batches_read(mode, loaders, limits), strict=True):
+        state = loader.state_dict() if _is_stateful(loader) else None
+        states.append(None if state is None or _unread(state) or _mid_epoch(loader, read)
+                      else state)
+    return states
 
 
-def _stops_early(loader: Any, limit: float) -> bool:
-    """Whether a pass reads fewer than all of the loader's batches (``limit_val_batches``)."""
+def _batches_read(mode: str, loaders: Sequence[Any], limits: Sequence[float]) -> list[float]:
+    """Batches a pass reads of each loader: its limit, at most its length; in the modes that
+    read every loader alike, the longest's (``max_size_cycle``, which cycles the others) or
+    the shortest's (``min_size``)."""
+    own = [min(limit, _length(loader)) for loader, limit in zip(loaders, limits, strict=True)]
+    if mode == "max_size_cycle":
+        return [max(own)] * len(own)
+    if mode == "min_size":
+        return [min(own)] * len(own)
+    return own
+
+
+def _length(loader: Any) -> float:
     length = sized_len(loader)
-    return limit != float("inf") and (length is None or limit < length)
+    return float("inf") if length is None else length
+
+
+def _mid_epoch(loader: Any, read: float) -> bool:
+    """Whether reading ``read`` batches leaves the loader inside an epoch."""
+    length = _length(loader)
+    if read == float("inf") or length == float("inf"):
+        return read != length
+    return read % length != 0
+
+
+def _unread(state: Any) -> bool:
+    """Whether a loader's state (this package's) is a loader's no pass has read: at batch 0,
+    under no trainer epoch (every pass declares one)."""
+    return (isinstance(state, dict) and state.get("batches") == 0 and "trainer_epoch" in state
+            and state["trainer_epoch"] is None)
+
+
+def _overlaid(first: Sequence[Any] | None, then: list[Any] | None) -> list[Any] | None:
+    """``first``'s states where it has one (a restored state not yet applied), else
+    ``then``'s, over ``then``'s loaders."""
+    if first is None or then is None:
+        return then if first is None else list(first)
+    return [first[i] if i < len(first) and first[i] is not None else state
+            for i, state in enumerate(then)]
 
 
 def _reposition(trainer: L.Trainer, states: list[Any] | None, resuming: _Pending | None
                 ) -> tuple[int, int]:
-    """Give the validation loaders ``states`` and move the pass's iterator, made by the
-    loop's ``reset()`` and not read yet, to where ``resuming`` goes on; returns that
-    ``(dataloader_idx, batch_idx)``."""
+    """Give the validation loaders the pass still reads their ``states`` and move the
+    pass's iterator, made by the loop's ``reset()`` and not read yet, to where ``resuming``
+    goes on; returns that ``(dataloader_idx, batch_idx)``. The loaders before it are done
+    with this pass: restored now, before the next pass's ``set_epoch``, they would stay at
+    their epoch's end through that pass."""
     val_loop = trainer.fit_loop.epoch_loop.val_loop
     combined = val_loop._combined_loader
     fetcher = val_loop._data_fetcher
     assert combined is not None and fetcher is not None
     loaders = combined.flattened
-    for loader, state in zip(loaders, states or [None] * len(loaders), strict=True):
-        if state is not None and _is_stateful(loader):
-            loader.load_state_dict(state)
     resuming = resuming or _Pending()
     j, k, replay = resuming.dataloader_idx, resuming.batch_idx, resuming.replay
+    for loader, state in list(zip(loaders, states or [None] * len(loaders), strict=True))[j:]:
+        if state is not None and _is_stateful(loader):
+            loader.load_state_dict(state)
     iterator: Any = combined._iterator
     if combined._mode == "sequential":
         iterator._iterator_idx = j

@@ -301,7 +301,40 @@ MID_VALIDATION = [
                  id="second-loader-before-our-hook"),
     pytest.param(combined("max_size"), 2, 0, 1, "on_validation_batch_end", True, HALF,
                  id="CombinedLoader-max_size"),
+    # a pass followed by another in the same epoch: the loaders done before the checkpoint
+    # must start their next epoch in it, not stay at their epoch's end
+    pytest.param(resumable(val_loaders=2), 0, 0, 2, "on_validation_batch_end", True, HALF,
+                 id="end-of-first-loader-then-a-pass"),
+    pytest.param(resumable(val_loaders=2), 0, 1, 0, "on_validation_batch_end", True, HALF,
+                 id="second-loader-then-a-pass"),
+    # a mode leaving a member mid-epoch: the next pass starts it afresh
+    pytest.param(combined("max_size_cycle"), 1, 0, 1, "on_validation_batch_end", True, HALF,
+                 id="CombinedLoader-max_size_cycle"),
+    pytest.param(combined("min_size"), 1, 0, 0, "on_validation_batch_end", True, HALF,
+                 id="CombinedLoader-min_size"),
 ]
+
+
+@pytest.mark.parametrize("mode", ["max_size_cycle", "min_size"])
+def test_a_combined_validation_loader_that_leaves_a_member_mid_epoch(tmp_path: Path,
+                                                                     mode: str) -> None:
+    """``max_size_cycle`` cycles the shorter member and ``min_size`` stops the longer one
+    inside its epoch; the live loader starts that member's next epoch at the next pass, so a
+    restored one must too (its mid-epoch state is not carried)."""
+    full, steps, exact_steps = resume_from_every_step(combined(mode), tmp_path,
+                                                      val_check_interval=0.5)
+    assert validation_passes(full) == [3, 6, 9, 12]
+    assert exact_steps == steps == list(range(1, STEPS + 1))
+
+
+def test_a_validation_loader_first_read_in_a_later_epoch(tmp_path: Path) -> None:
+    """No pass has read it when the checkpoint is written: restored, it starts at the
+    trainer's epoch as a new one does (its unread state would pin it to epoch 0's order)."""
+    full, steps, exact_steps = resume_from_every_step(
+        resumable(shuffle_val=True), tmp_path, val_check_interval=8,
+        check_val_every_n_epoch=None)
+    assert validation_passes(full) == [8]
+    assert exact_steps == steps == list(range(1, STEPS + 1))
 
 
 @pytest.mark.parametrize(("loaders", "pass_index", "dataloader_idx", "batch_idx", "hook",
