@@ -52,6 +52,34 @@ class RecordingModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class EvaluatingModule(RecordingModule):
+    """Records the batch keys of every validation, test and predict step, by stage."""
+
+    def __init__(self, key: Callable[[Any], Any] = default_key) -> None:
+        super().__init__(key)
+        self.evaluated: dict[str, list[Any]] = {"validate": [], "test": [], "predict": []}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.evaluated["validate"].append(self.key(batch))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.evaluated["test"].append(self.key(batch))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> None:
+        self.evaluated["predict"].append(self.key(batch))
+
+
+def evaluate_recording(make_loader: Callable[[], Any], root: Path,
+                       key: Callable[[Any], Any] = default_key) -> dict[str, list[Any]]:
+    """``Trainer.validate``, ``test`` and ``predict`` on fresh loaders; the keys each saw."""
+    model = EvaluatingModule(key)
+    trainer = make_trainer(root, 1)
+    trainer.validate(model, make_loader(), verbose=False)
+    trainer.test(model, make_loader(), verbose=False)
+    trainer.predict(model, make_loader(), return_predictions=False)
+    return model.evaluated
+
+
 def make_trainer(root: Path, max_epochs: int, callbacks: Iterable[Any] = (),
                  **kwargs: Any) -> L.Trainer:
     callbacks = list(callbacks)

@@ -172,6 +172,7 @@ class DALILoader(DeliveryCore):
         self._engine = EngineBox()
         self._finalizer = weakref.finalize(self, self._engine.close)
         self.sampler = EpochSampler(weakref.proxy(self))
+        self.batch_sampler: Any = None  # DataLoader's surface: Lightning's evaluation reads it
 
     # -- the DataLoader surface -------------------------------------------------------------
 

@@ -330,6 +330,7 @@ class FFCVLoader(DeliveryCore):
         self.schedule = MapSchedule(sample_order, batch_size, self.last_batch, self.seed, rank,
                                     world_size)
         self.sampler = SizedEpochSampler(self.schedule)
+        self.batch_sampler: Any = None  # DataLoader's surface: Lightning's evaluation reads it
         self._ffcv_loader: Any = None
         self._traversal: _PlannedTraversal | None = None
         self._epoch_iter: Any = None

@@ -29,6 +29,7 @@ from tests.ddp_harness import REPO, run_ddp
 from tests.lightning_harness import (
     check_trainer_resume,
     checkpoint_at,
+    evaluate_recording,
     every_step_checkpoints,
     fit_recording,
     make_trainer,
@@ -95,6 +96,15 @@ def test_trainer_checkpoint_at_every_step_resumes_exactly(files, tmp_path, mode,
     assert [(epoch, batch) for epoch, batch, _ in full] == [(e, b) for e in range(3)
                                                              for b in range(3)]
     assert [len(batch["y"]) for _, _, batch in full] == [8, 8, 5] * 3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_validate_test_and_predict_read_every_sample_once(files, tmp_path, mode):
+    """Lightning's evaluation loops read DataLoader's ``batch_sampler``."""
+    evaluated = evaluate_recording(lambda: make_loader(mode, files[:21], 8), tmp_path,
+                                   key=lambda batch: key(batch)[0])
+    for stage, batches in evaluated.items():
+        assert sorted(i for batch in batches for i in batch) == list(range(21)), stage
 
 
 @pytest.mark.parametrize("mode", MODES)

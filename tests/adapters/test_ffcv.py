@@ -31,6 +31,7 @@ from tests.lightning_harness import (  # noqa: E402
     RecordingModule,
     check_trainer_resume,
     checkpoint_at,
+    evaluate_recording,
     fit_recording,
 )
 from tests.scripts.ffcv_fit import PIXEL_MODULUS, labels_key  # noqa: E402
@@ -285,6 +286,15 @@ def test_trainer_resume_from_every_step_of_three_epochs(beton: Path, tmp_path: P
     reference = core_batches(1, 0, 21, "keep", 3)
     assert epochs == [[i for b in epoch for i in b] for epoch in reference], (
         "epoch 0 must be the plan's epoch 0 (not skipped by Lightning's extra iter())")
+
+
+def test_validate_test_and_predict_read_every_sample_once(beton: Path, tmp_path: Path) -> None:
+    """Lightning's evaluation loops read DataLoader's ``batch_sampler``."""
+    evaluated = evaluate_recording(
+        lambda: FFCVLoader(beton, batch_size=8, num_workers=2, order="sequential"), tmp_path,
+        key=labels)
+    for stage, batches in evaluated.items():
+        assert [i for batch in batches for i in batch] == list(range(N)), stage
 
 
 def test_two_rank_ddp_exactly_once_equal_counts_and_exact_resume(beton: Path,
