@@ -74,12 +74,14 @@ class Restore:
 
 
 class Engine:
-    """A built pipeline and its DALI iterator; ``at`` is the cursor of the next batch."""
+    """A built pipeline and its DALI iterator; ``at`` is the cursor of the next batch, and
+    ``built_at`` the one it was built at."""
 
     def __init__(self, pipe: Any, iterator: Any, placement: Placement, at: tuple[int, int],
                  iteration: int, seed: int, reader: bool) -> None:
         self.pipe, self.iterator, self.placement = pipe, iterator, placement
         self.at, self.iteration, self.seed, self.reader = at, iteration, seed, reader
+        self.built_at = at
         self.reader_meta: dict[str, Any] = {}
         self.order_version = 0
         self._pid = os.getpid()

@@ -169,6 +169,7 @@ class DALILoader(DeliveryCore):
         self._pending_state: dict[str, Any] | None = None  # reader mode, before the schedule
         self._pending_epoch: int | None = None
         self._restore: Restore | None = None
+        self._closed: tuple[Placement, dict[str, Any]] | None = None  # the pipeline close() shut
         self._engine = EngineBox()
         self._finalizer = weakref.finalize(self, self._engine.close)
         self.sampler = EpochSampler(weakref.proxy(self))
@@ -229,7 +230,8 @@ class DALILoader(DeliveryCore):
         if self._restore is None:
             rank, world_size = self.schedule.placement
             engine = self._engine.engine
-            entries = gather_by_rank(engine.entry() if engine else None, rank, world_size)
+            closed = self._closed[1] if self._closed is not None else None
+            entries = gather_by_rank(engine.entry() if engine else closed, rank, world_size)
             state[PARTS] = {**state[PARTS], _STATE_KEY: entries}
         elif _STATE_KEY not in state[PARTS]:  # restored at an epoch's end, not read since
             state[PARTS] = {**state[PARTS], _STATE_KEY: self._restore.entries}
@@ -243,10 +245,16 @@ class DALILoader(DeliveryCore):
         else:
             self._schedule.load_state_dict(state_dict)
         self._restore = Restore(int(state_dict["world_size"]), entries)
+        self._closed = None
 
     def close(self) -> None:
         """Shut the pipeline (and its source worker processes) down now; it is rebuilt on
-        demand, at the cursor. Dropping the loader does the same."""
+        demand, at the cursor, from its DALI checkpoint (so random operators go on as if it
+        had never stopped), which the state saves meanwhile. Dropping the loader shuts it down
+        too."""
+        engine = self._engine.engine
+        if engine is not None and engine.iterator is not None:
+            self._closed = (engine.placement, engine.entry())
         self._engine.close()
         super().close()
 
@@ -281,15 +289,22 @@ class DALILoader(DeliveryCore):
         assert schedule.epoch is not None
         target = (schedule.epoch, schedule.batches)
         placement = self._placement(fixed=schedule.placement)
-        entry = restore.entry(placement) if restore is not None else None
+        entry = restore.entry(placement) if restore is not None else self._closed_entry(placement)
+        self._closed = None
         engine = self._engine.engine
         if engine is not None and engine.placement != placement:
             self._engine.close()
             engine = None
         if self.reader_name is None:
-            if engine is None or engine.at != target:
+            # every epoch starts on a pipeline built for it, seeded from (seed, rank, epoch):
+            # carried over from the last epoch, its random operators would depend on whether
+            # this loader (or a fresh one, after a reload or a restart) read that epoch
+            epoch_start = target[1] == 0
+            if engine is None or engine.at != target or (epoch_start
+                                                         and engine.built_at != target):
                 self._engine.close()
-                usable = entry if entry is not None and entry.at == target else None
+                usable = (entry if entry is not None and entry.at == target and not epoch_start
+                          else None)
                 engine = self._build(placement, schedule, usable)
         else:
             if entry is not None and entry.at > target:
@@ -301,6 +316,12 @@ class DALILoader(DeliveryCore):
             self._drain(engine, target, schedule.num_batches())
         self._engine.engine = engine
         return engine
+
+    def _closed_entry(self, placement: Placement) -> Entry | None:
+        """The checkpoint of the pipeline ``close()`` shut, if it was built for ``placement``."""
+        if self._closed is None or self._closed[0] != placement:
+            return None
+        return Entry(self._closed[1])
 
     def _drain(self, engine: Engine, target: tuple[int, int], epoch_len: int) -> None:
         """Reader mode: read and discard batches up to ``target`` (DALI cannot seek)."""

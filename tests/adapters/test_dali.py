@@ -98,6 +98,30 @@ def test_trainer_checkpoint_at_every_step_resumes_exactly(files, tmp_path, mode,
     assert [len(batch["y"]) for _, _, batch in full] == [8, 8, 5] * 3
 
 
+def test_augmentations_continue_after_close_and_start_each_epoch_from_the_seed(files):
+    """External-source mode: ``close()`` (Lightning's teardown) keeps the pipeline's DALI
+    checkpoint for the state and for an iterator going on; an epoch's augmentations are the
+    same whether this loader or a fresh one (a reload, a restart at an epoch's end) reads it."""
+
+    def make() -> DALILoader:
+        return make_loader("source", files[:21], 8)
+
+    uninterrupted = make()
+    epochs = [[key(batch) for batch in uninterrupted] for _ in range(2)]
+    closed = make()
+    iterator = iter(closed)
+    first = [key(next(iterator))]
+    closed.close()
+    state = closed.state_dict()
+    assert first + [key(batch) for batch in iterator] == epochs[0]
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert first + [key(batch) for batch in resumed] == epochs[0]
+    fresh = make()
+    fresh.set_epoch(1)
+    assert [key(batch) for batch in fresh] == epochs[1]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_validate_test_and_predict_read_every_sample_once(files, tmp_path, mode):
     """Lightning's evaluation loops read DataLoader's ``batch_sampler``."""
