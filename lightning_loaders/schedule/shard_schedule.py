@@ -302,11 +302,13 @@ class IterableSchedule(EpochOwner):
         saved layout's; ``StateMismatchError`` if the state is not this loader's or cannot
         say)."""
         state = LoaderState.from_dict(state_dict, KIND, self.fingerprint())
+        slots = state.parts.get(SLOTS)
+        if not isinstance(slots, Mapping):
+            raise StateMismatchError(f"corrupted loader state: parts[{SLOTS!r}] is {slots!r}")
+        partitions, _ = self._rebased(slots, state.world_size, state.batches)
         try:
-            slots = state.parts[SLOTS]
             first, batch = slots.get(_BASE, (0, 0))
-            dealt = deal(self.config, state.epoch, int(slots[_PARTITIONS]), state.world_size,
-                         int(first))
+            dealt = deal(self.config, state.epoch, partitions, state.world_size, int(first))
             return int(batch) + len(dealt[rank])
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise StateMismatchError(f"corrupted loader state: {exc!r}") from exc

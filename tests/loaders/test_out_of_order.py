@@ -363,6 +363,21 @@ def test_iterable_resume_from_every_step_delivers_exactly_the_rest(tmp_path: Pat
                    [_iterable_plan(epoch) for epoch in range(2)])
 
 
+def test_an_iterable_state_saved_before_any_batch_resumes_from_the_start(tmp_path: Path
+                                                                          ) -> None:
+    """A checkpoint written before training starts: an empty window, no partition count yet
+    (the epoch has not been dealt)."""
+    gate = tmp_path / "gate"
+    gate.touch()
+    saved = _make_iterable(gate).state_dict()
+    assert saved["parts"]["window"]
+    for in_order in (False, True):
+        resumed = _make_iterable(gate, in_order=in_order)
+        resumed.load_state_dict(saved)
+        assert sorted(tuple(b.tolist()) for b in resumed) == sorted(_iterable_plan(0))
+        resumed.close()
+
+
 def test_iterable_states_cross_between_in_order_and_out_of_order(tmp_path: Path) -> None:
     """An out-of-order state resumes in order (the batches past its frontier are skipped), and
     an in-order state resumes out of order (none past its cursor was delivered)."""
