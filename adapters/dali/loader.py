@@ -166,8 +166,7 @@ class DALILoader(DeliveryCore):
                                  "and __getitem__)")
             self._schedule = self._make_schedule(self._order(sampler, bool(shuffle),
                                                              len(dataset)))
-        self._pending_state: dict[str, Any] | None = None  # reader mode, before the schedule
-        self._pending_epoch: int | None = None
+        self._pending_epoch: int | None = None  # reader mode: set_epoch before the schedule
         self._restore: Restore | None = None
         self._closed: tuple[Placement, dict[str, Any]] | None = None  # the pipeline close() shut
         self._engine = EngineBox()
@@ -197,12 +196,10 @@ class DALILoader(DeliveryCore):
             except Exception:
                 engine.close()
                 raise
-            self._schedule, self._engine.engine = schedule, engine
-            if self._pending_state is not None:
-                self._schedule.load_state_dict(self._pending_state)
             if self._pending_epoch is not None:
-                self._schedule.set_epoch(self._pending_epoch)
-            self._pending_state = self._pending_epoch = None
+                schedule.set_epoch(self._pending_epoch)
+            self._schedule, self._engine.engine = schedule, engine
+            self._pending_epoch = None
         return self._schedule
 
     @property
@@ -224,8 +221,6 @@ class DALILoader(DeliveryCore):
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor plus, per rank, the DALI checkpoint of the pipeline (gathered under DDP)."""
-        if self._schedule is None and self._pending_state is not None:
-            return dict(self._pending_state)
         state = self.schedule.state_dict()
         if self._restore is None:
             rank, world_size = self.schedule.placement
@@ -238,12 +233,11 @@ class DALILoader(DeliveryCore):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a cursor; the next ``iter()`` continues exactly after its last batch."""
+        """Restore a cursor; the next ``iter()`` continues exactly after its last batch. A
+        state of another dataset or configuration is refused now, with both values shown, and
+        changes nothing (in reader mode, checking it builds the pipeline, as ``len()`` does)."""
         entries = dict(state_dict.get(PARTS) or {}).get(_STATE_KEY)
-        if self._schedule is None:
-            self._pending_state = dict(state_dict)
-        else:
-            self._schedule.load_state_dict(state_dict)
+        self.schedule.load_state_dict(state_dict)
         self._restore = Restore(int(state_dict["world_size"]), entries)
         self._closed = None
 
@@ -263,7 +257,7 @@ class DALILoader(DeliveryCore):
     def _open_epoch(self) -> Iterator[Any]:
         """Decide which epoch and batch come next, bring the pipeline there, deliver."""
         schedule = self.schedule
-        restore, self._restore = self._restore, None
+        restore = self._restore
         world_size = schedule.placement[1]
         if self.reader_name and restore is not None and restore.world_size != world_size:
             raise ValueError(
@@ -271,6 +265,7 @@ class DALILoader(DeliveryCore):
                 f"now {world_size}. DALI checkpoints are per shard; use external-source mode "
                 "(dataset=...) for elastic resume"
             )
+        self._restore = None
         schedule.begin_epoch()
         if schedule.remaining == 0:
             # A restored cursor at its epoch's end that stays exhausted (the trainer is still

@@ -21,7 +21,7 @@ from nvidia.dali import fn, pipeline_def
 from nvidia.dali.types import DALIDataType as DType
 from torch.utils.data import RandomSampler
 
-from lightning_loaders import ResumableLoader, sample_rng
+from lightning_loaders import ResumableLoader, StateMismatchError, sample_rng
 from lightning_loaders.adapters.dali import DALILoader, FileSamples
 from lightning_loaders.testing import check_resume_at_every_step, run_epochs, set_epoch
 from tests.conftest import IndexDataset
@@ -235,8 +235,40 @@ def test_reader_mode_refuses_another_world_size(files):
     state = loader.state_dict()
     resumed = make_loader("reader", files, 6, rank=0, world_size=1)
     resumed.load_state_dict(state)
-    with pytest.raises(ValueError, match="saved 2, now 1"):
-        next(iter(resumed))
+    for _ in range(2):  # a retry is refused too, never a half-applied resume
+        with pytest.raises(ValueError, match="saved 2, now 1"):
+            next(iter(resumed))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_state_of_another_seed_is_refused_at_load_and_changes_nothing(files, mode):
+    """In reader mode too, where checking it builds the pipeline (as ``len()`` does)."""
+    loader = make_loader(mode, files[:21], 8)
+    expected = [key(batch) for batch in loader]
+    other = make_loader(mode, files[:21], 8, seed=8)
+    next(iter(other))
+    state = other.state_dict()
+    with pytest.raises(StateMismatchError, match="seed: saved 8, this loader 7"):
+        loader.load_state_dict(state)
+    fresh = make_loader(mode, files[:21], 8)
+    with pytest.raises(StateMismatchError):
+        fresh.load_state_dict(state)
+    assert [key(batch) for batch in fresh] == expected
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_set_epoch_before_a_restored_epoch_end_starts_the_next_epoch(files, mode):
+    """The order of the calls counts (declared before the restore: the next epoch begins),
+    also when both come before reader mode has sized the pipeline."""
+    ended = make_loader(mode, files[:21], 8)
+    ended.set_epoch(1)
+    epoch_one = [key(batch) for batch in ended]
+    state = ended.state_dict()
+    resumed = make_loader(mode, files[:21], 8)
+    resumed.set_epoch(1)
+    resumed.load_state_dict(state)
+    epoch_two = [key(batch) for batch in resumed]
+    assert resumed.epoch == 2 and len(epoch_two) == len(epoch_one) == 3
 
 
 @pytest.mark.parametrize(("old_world", "new_world"), [(2, 1), (1, 2)])
