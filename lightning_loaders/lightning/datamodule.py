@@ -13,6 +13,9 @@ the loops, which reading ``trainer.estimated_stepping_batches`` in ``configure_o
 prevents (Lightning #20550). The cursor restored here is applied to the training loaders as soon
 as both exist, and is consumed by the first of them to deliver a batch, so it takes effect
 exactly once whichever path runs (and loading the same cursor twice before that is harmless).
+Loaders rebuilt for a later epoch than the cursor's (``reload_dataloaders_every_n_epochs``
+after a restart at an epoch's end) get neither this cursor nor Lightning's copy of it: they
+start afresh, as the uninterrupted run's do.
 """
 
 from __future__ import annotations
@@ -89,11 +92,18 @@ class _Cursors:
         self.pending: dict[str, Any] | None = None
         self.applied: list[tuple[Any, dict[str, Any]]] = []
 
-    def track(self, loaders: Any) -> None:
-        if self.pending is not None and self._consumed():
+    def track(self, loaders: Any, epoch: int | None) -> bool:
+        """Follow the loaders ``train_dataloader()`` just built, in the trainer's ``epoch``
+        (``None``: no trainer); the pending cursor goes to them unless a loader it was given
+        has moved past it, or it belongs to an earlier epoch: loaders rebuilt for a later one
+        (``reload_dataloaders_every_n_epochs``) start afresh, as the uninterrupted run's do.
+        Returns whether the cursor was dropped for that."""
+        outlived = self.pending is not None and self._outlived(epoch)
+        if self.pending is not None and (outlived or self._consumed()):
             self.pending = None
         self.loaders = dict(_stateful_leaves(loaders))
         self._apply()
+        return outlived
 
     def state(self) -> dict[str, Any]:
         return {"version": _STATE_VERSION,
@@ -121,6 +131,15 @@ class _Cursors:
                 loader.load_state_dict(self.pending[key])
                 self.applied.append((loader, self.pending[key]))
 
+    def _outlived(self, epoch: int | None) -> bool:
+        """Whether the trainer's ``epoch`` is past the ones the pending cursor's epochs began
+        under (this package's states say it)."""
+        assert self.pending is not None
+        owners = [state.get("trainer_epoch") for state in self.pending.values()
+                  if isinstance(state, Mapping)]
+        began = [owner for owner in owners if isinstance(owner, int)]
+        return epoch is not None and bool(began) and epoch > max(began)
+
     def _consumed(self) -> bool:
         """Whether a loader given the cursor has moved past it (it delivered a batch)."""
         return any(not _same(_progress(loader.state_dict()), _progress(state))
@@ -140,7 +159,12 @@ def _converting(hook: Callable[..., Any], stage: str) -> Callable[..., Any]:
         loaders = _convert_tree(hook(self, *args, **kwargs),
                                 functools.partial(self.convert, stage=stage))
         if stage == "train":
-            _cursors(self).track(loaders)
+            trainer = self.trainer
+            outlived = _cursors(self).track(loaders, trainer.current_epoch if trainer else None)
+            if outlived and trainer is not None:
+                # Lightning's own copy of that cursor, which it would give these loaders when
+                # they are its first after a restart (loops/fit_loop.py:552-556)
+                trainer.fit_loop._combined_loader_states_to_load = []
         if stage == "predict":
             for _, leaf in _leaves(loaders):
                 if isinstance(leaf, MapStyleLoader):

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 
 from lightning_loaders import ResumableLoader
 from lightning_loaders.lightning.datamodule import STATE_KEY, ResumableDataModule
+from lightning_loaders.lightning.exact_resume import ExactResume
 from lightning_loaders.loaders.convert import make_resumable
 from lightning_loaders.orders.dynamic_weighted import DynamicWeightedSampler
 from lightning_loaders.testing import checkpoint_roundtrip, run_epochs, set_epoch
@@ -184,6 +185,33 @@ def test_a_resumable_datamodule_resumes_exactly(tmp_path: Path, model, trainer_k
     for step in (2, 5, 7):
         resumed = _fit(OurData, tmp_path, ckpt_path=checkpoint_at(directory, step), model=model,
                        **trainer_kwargs)
+        assert resumed == full[step:], f"resume from step {step}"
+
+
+class CycledData(ResumableDataModule):
+    """Two shuffled members; ``max_size_cycle`` starts the shorter one's next epoch mid-way."""
+
+    def train_dataloader(self) -> CombinedLoader:
+        short = DataLoader(IndexDataset(6), batch_size=2, shuffle=True,
+                           generator=torch.Generator().manual_seed(5))
+        return CombinedLoader({"a": _shuffled(), "b": short}, "max_size_cycle")
+
+
+@pytest.mark.parametrize("reload", [0, 1])
+def test_a_cursor_at_an_epochs_end_is_not_given_to_loaders_reloaded_for_the_next(
+        tmp_path: Path, reload: int) -> None:
+    """Reloaded for epoch 1, the loaders start afresh in the uninterrupted run; resumed from
+    the end of epoch 0 they must too (the cycled member would go on with its own next epoch).
+    Kept across epochs, they go on from the cursor. ``ExactResume`` starts the epoch after a
+    restart at an epoch's end as usual (Lightning skips its start)."""
+    directory = tmp_path / "checkpoints"
+    options = {"reload_dataloaders_every_n_epochs": reload}
+    full = _fit(CycledData, tmp_path, [ExactResume(), every_step_checkpoints(directory)],
+                **options)
+    assert len(full) == 10
+    for step in (3, 5, 7):
+        resumed = _fit(CycledData, tmp_path, [ExactResume()],
+                       ckpt_path=checkpoint_at(directory, step), **options)
         assert resumed == full[step:], f"resume from step {step}"
 
 
