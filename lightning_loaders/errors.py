@@ -13,7 +13,7 @@ import importlib
 import os
 import signal
 import types
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch.utils.data import get_worker_info
 
@@ -28,9 +28,12 @@ __all__ = [
     "WorkerTimeoutError",
     "describe_exit",
     "fetch_error",
-    "fetch_error_type",
     "signal_name",
+    "user_error",
+    "user_error_type",
 ]
+
+_E = TypeVar("_E", bound="LoaderError")
 
 
 class LoaderError(Exception):
@@ -145,8 +148,15 @@ def fetch_error(exc: BaseException, what: str, *, epoch: int, batch: int, rank: 
     fields: dict[str, Any] = {"index": index, "position": position, "epoch": epoch,
                               "batch": batch, "rank": rank, "worker": worker, "pid": pid,
                               "cause_type": type(exc).__name__}
-    kind = fetch_error_type(type(exc))
-    if kind is not SampleFetchError:
+    return user_error(SampleFetchError, exc, message, fields)
+
+
+def user_error(base: type[_E], exc: BaseException, message: str, fields: dict[str, Any]) -> _E:
+    """``base(message, **fields)`` for ``exc`` raised by user code, as an instance of
+    ``user_error_type(base, type(exc))`` carrying ``exc``'s own fields (``errno``, ...), or of
+    ``base`` alone when that type refuses the message. Raise it chained (``from exc``)."""
+    kind = user_error_type(base, type(exc))
+    if kind is not base:
         try:
             error = kind(message, **fields)
         except Exception:  # the original type's constructor refuses one message
@@ -159,7 +169,7 @@ def fetch_error(exc: BaseException, what: str, *, epoch: int, batch: int, rank: 
                     except (AttributeError, TypeError):
                         pass
             return error
-    return SampleFetchError(message, **fields)
+    return base(message, **fields)
 
 
 def _attributes(exc: BaseException) -> dict[str, Any]:
@@ -185,60 +195,64 @@ def _builtin_fields(kind: type[BaseException]) -> tuple[str, ...]:
         and not name.startswith("__")))
 
 
-def _reduce_fetch_error(error: SampleFetchError) -> tuple[Any, ...]:
+def _reduce_user_error(error: LoaderError) -> tuple[Any, ...]:
     """Pickled with its built-in fields (``errno``, ...), which ``BaseException``'s own
     ``__reduce__`` leaves out: ``BaseException.__setstate__`` sets them back."""
     return type(error), error.args, _attributes(error)
 
 
-_FETCH_ERROR_TYPES: dict[type[BaseException], type[SampleFetchError]] = {}
-_PREFIX = "SampleFetchError["
+_COMBINED: dict[tuple[type[LoaderError], type[BaseException]], type[Any]] = {}
+_COMBINED_BASES: tuple[type[LoaderError], ...] = (SampleFetchError, WorkerInitError)
 
 
-def fetch_error_type(original: type[BaseException]) -> type[SampleFetchError]:
-    """The class of the error raised for user code that raised ``original``: a subclass of
-    both ``SampleFetchError`` and ``original`` (made once per type), so that ``except
-    KeyError:`` around the loop still catches a ``KeyError`` from ``__getitem__``, as with
-    ``DataLoader``. ``SampleFetchError`` itself when ``original`` cannot be combined with it:
-    a ``BaseException`` that is no ``Exception``, ``StopIteration`` (which would end the loop
-    instead of failing it), a type that cannot be imported by name (defined in a function:
-    another process could not rebuild the error), an incompatible layout.
+def user_error_type(base: type[_E], original: type[BaseException]) -> type[_E]:
+    """The class of the error raised for user code that raised ``original`` (``base``:
+    ``SampleFetchError``, or ``WorkerInitError`` for ``worker_init_fn``): a subclass of both
+    (made once per pair), so that ``except KeyError:`` around the loop still catches a
+    ``KeyError`` from ``__getitem__``, as with ``DataLoader``. ``base`` itself when
+    ``original`` cannot be combined with it: a ``BaseException`` that is no ``Exception``,
+    ``StopIteration`` (which would end the loop instead of failing it), a type that cannot be
+    imported by name (defined in a function: another process could not rebuild the error), an
+    incompatible layout.
 
-    The class is named ``SampleFetchError[module:qualname]`` (dots as ``/``) and found under
-    that name in this module, so it pickles by reference into any process.
+    The class is named ``SampleFetchError[module:qualname]`` (dots as ``/``; likewise for
+    ``WorkerInitError``) and found under that name in this module, so it pickles by reference
+    into any process.
     """
-    if (issubclass(original, SampleFetchError | StopIteration | StopAsyncIteration)
+    if (issubclass(original, LoaderError | StopIteration | StopAsyncIteration)
             or not issubclass(original, Exception)):
-        return SampleFetchError
-    found = _FETCH_ERROR_TYPES.get(original)
+        return base
+    found = _COMBINED.get((base, original))
     if found is not None:
         return found
-    name = f"{_PREFIX}{original.__module__}:{original.__qualname__}]".replace(".", "/")
-    kind: type[SampleFetchError] = SampleFetchError
+    name = f"{base.__name__}[{original.__module__}:{original.__qualname__}]".replace(".", "/")
+    kind: type[_E] = base
     if _importable(original):
         try:
-            kind = type(name, (SampleFetchError, original),
+            kind = type(name, (base, original),
                         {"__module__": __name__, "__qualname__": name,
                          "__str__": BaseException.__str__,
-                         "__reduce__": _reduce_fetch_error,
+                         "__reduce__": _reduce_user_error,
                          "__setstate__": BaseException.__setstate__})
         except TypeError:
             pass
-    _FETCH_ERROR_TYPES[original] = kind
+    _COMBINED[(base, original)] = kind
     return kind
 
 
 if not TYPE_CHECKING:  # hidden from mypy, which would accept any name imported from here
 
-    def __getattr__(name: str) -> type[SampleFetchError]:
+    def __getattr__(name: str) -> type[LoaderError]:
         """Find a combined error class by its name (unpickling in another process)."""
-        if name.startswith(_PREFIX) and name.endswith("]"):
-            module, _, qualname = name[len(_PREFIX):-1].replace("/", ".").partition(":")
-            original = _lookup(module, qualname)
-            if isinstance(original, type) and issubclass(original, BaseException):
-                kind = fetch_error_type(original)
-                if kind is not SampleFetchError:
-                    return kind
+        for base in _COMBINED_BASES:
+            prefix = f"{base.__name__}["
+            if name.startswith(prefix) and name.endswith("]"):
+                module, _, qualname = name[len(prefix):-1].replace("/", ".").partition(":")
+                original = _lookup(module, qualname)
+                if isinstance(original, type) and issubclass(original, BaseException):
+                    kind = user_error_type(base, original)
+                    if kind is not base:
+                        return kind
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -156,6 +156,7 @@ def test_worker_init_fn_errors_name_the_worker_and_keep_the_cursor() -> None:
         next(iterator)
     error = info.value
     assert (error.worker, error.rank, error.cause_type) == (1, 0, "OSError")
+    assert isinstance(error, OSError), "except OSError: around the loop catches it, as torch's"
     assert isinstance(error.__cause__, OSError) and error.pid != os.getpid()
     assert "OSError in worker_init_fn of worker 1 (pid" in str(error)
     assert "_failing_init" in error.worker_traceback

@@ -27,6 +27,7 @@ from lightning_loaders.errors import (
     WorkerInitError,
     WorkerTimeoutError,
     describe_exit,
+    user_error,
 )
 from lightning_loaders.hashing import mix64
 from lightning_loaders.loaders.delivery import DeliveryCore
@@ -311,10 +312,11 @@ class _WorkerStart:
             self.user_fn(info)
         except Exception as exc:
             pid = os.getpid()
-            error = WorkerInitError(
-                f"{type(exc).__name__} in worker_init_fn of worker {worker_id} (pid {pid}) on "
-                f"rank {self.rank}: {exc}", worker=worker_id, pid=pid, rank=self.rank,
-                cause_type=type(exc).__name__)
+            error = user_error(
+                WorkerInitError, exc, f"{type(exc).__name__} in worker_init_fn of worker "
+                f"{worker_id} (pid {pid}) on rank {self.rank}: {exc}",
+                {"worker": worker_id, "pid": pid, "rank": self.rank,
+                 "cause_type": type(exc).__name__})
             if not isinstance(fetcher, BatchFetcher):
                 raise error from exc
             error.__cause__ = exc
