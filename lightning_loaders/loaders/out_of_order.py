@@ -153,7 +153,13 @@ def rank_entry(part: Any, rank: int, world_size: int, batches: int, end: int) ->
                                  "{'ranks': [...]}")
     ranks = part["ranks"]
     if len(ranks) != world_size:
-        if any(entry is None or entry[1] or entry[0] != batches for entry in ranks):
+        if any(entry is None for entry in ranks):
+            raise StateMismatchError(
+                f"an out-of-order state saved on {len(ranks)} ranks without a process group "
+                f"holds only some ranks' entries, so it cannot resume on {world_size}: save "
+                "with every rank calling state_dict() together (as Lightning does), or resume "
+                f"on {len(ranks)} ranks, each from its own state")
+        if any(entry[1] or entry[0] != batches for entry in ranks):
             raise StateMismatchError(
                 f"an out-of-order state saved on {len(ranks)} ranks cannot resume on "
                 f"{world_size}: its ranks had delivered different batches; resume on "

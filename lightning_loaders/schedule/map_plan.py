@@ -13,10 +13,17 @@ from typing import Literal, get_args
 
 import numpy as np
 
-__all__ = ["LAST_BATCH_POLICIES", "EpochPlan", "LastBatch", "rollover_span"]
+__all__ = ["LAST_BATCH_POLICIES", "EpochPlan", "LastBatch", "keep_fix", "rollover_span"]
 
 LastBatch = Literal["keep", "drop", "pad", "rollover"]
 LAST_BATCH_POLICIES: tuple[str, ...] = get_args(LastBatch)
+
+
+def keep_fix(size: int) -> str:
+    """The batch size to suggest when ``last_batch='keep'`` leaves fewer samples than ranks
+    (ending with a comma and a space)."""
+    return ("a batch_size >= 2, " if size == 1 else
+            "a batch_size that leaves at least one sample per rank after the full batches, ")
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,8 @@ class EpochPlan:
         if (self.last_batch == "keep" and self._short_tail() and not self._can_rebalance()
                 and not self._merges_tail()):
             fix = (f"evaluate on at most {self.stop - self.start} ranks" if self.merge_short_tail
-                   else "use last_batch='pad' or 'drop', or a batch_size >= 2")
+                   else "use last_batch='pad' or 'drop', "
+                   f"{keep_fix(self.batch_size)}or at most {self.stop - self.start} ranks")
             raise ValueError(
                 f"last_batch='keep' cannot give each of {self.world_size} ranks a non-empty last "
                 f"batch from {self.stop - self.start} samples with batch_size={self.batch_size}; "

@@ -25,13 +25,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from lightning_loaders.schedule.shard_plan import (
-    Piece,
-    PlanConfig,
-    epoch_pieces,
-    keep_fix,
-    split,
-)
+from lightning_loaders.schedule.map_plan import keep_fix
+from lightning_loaders.schedule.shard_plan import Piece, PlanConfig, epoch_pieces, split
 
 __all__ = ["Partitions", "Segment", "deal", "partition_epoch", "uses_partitions"]
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from lightning_loaders.hashing import mix64
 from lightning_loaders.orders.permutation import KeyedPermutation
-from lightning_loaders.schedule.map_plan import LastBatch, rollover_span
+from lightning_loaders.schedule.map_plan import LastBatch, keep_fix, rollover_span
 
 __all__ = [
     "Layout",
@@ -23,7 +23,6 @@ __all__ = [
     "PlanConfig",
     "delivered_counts",
     "epoch_pieces",
-    "keep_fix",
     "locate",
     "plan_epoch",
     "shard_order",
@@ -251,13 +250,6 @@ def _unknown_layout(config: PlanConfig, epoch: int, world_size: int, slots: int)
     for i, shard in enumerate(shard_order(config, epoch)):
         dealt[i % world_size][(i // world_size) % slots].append(Piece(int(shard), 0))
     return Layout(tuple(tuple(tuple(s) for s in r) for r in dealt), None, None)
-
-
-def keep_fix(size: int) -> str:
-    """The batch size to suggest when ``last_batch='keep'`` leaves fewer samples than ranks
-    (ending with a comma and a space)."""
-    return ("a batch_size >= 2, " if size == 1 else
-            "a batch_size that leaves at least one sample per rank after the full batches, ")
 
 
 def split(total: int, parts: int, size: int) -> tuple[int, ...]:

@@ -250,3 +250,20 @@ def test_too_few_leftovers_for_the_ranks_name_a_fix_that_changes_something(size,
                                          f"{fix}"):
         list(ResumableLoader(SequenceSource([list(range(total))]), batch_size=size, rank=0,
                              world_size=world))
+
+
+@pytest.mark.parametrize(("size", "fix"), [(1, "a batch_size >= 2"),
+                                           (4, "a batch_size that leaves at least one sample")])
+def test_an_elastic_resume_with_too_few_leftovers_names_a_fix_that_changes_something(
+        size: int, fix: str) -> None:
+    """Map-style: 2 samples left after the saved global batches, resumed on 3 ranks."""
+    total = 2 + 2 * size * 2  # two global batches on 2 ranks, then 2 samples
+    saved = ResumableLoader(IndexDataset(total), batch_size=size, rank=0, world_size=2)
+    iterator = iter(saved)
+    for _ in range(2):
+        next(iterator)
+    resumed = ResumableLoader(IndexDataset(total), batch_size=size, rank=0, world_size=3)
+    resumed.load_state_dict(saved.state_dict())
+    with pytest.raises(ValueError, match=f"ranks a non-empty last batch from 2 samples.*{fix}.*"
+                                         "or at most 2 ranks"):
+        next(iter(resumed))

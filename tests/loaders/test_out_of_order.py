@@ -143,6 +143,9 @@ def test_ranks_placed_by_hand_resume_from_their_own_states(tmp_path: Path) -> No
         other = _make(gate, rank=1 - rank, world=2)
         with pytest.raises(StateMismatchError, match=f"no entry for rank {1 - rank}"):
             other.load_state_dict(state)
+        with pytest.raises(StateMismatchError, match="without a process group holds only some "
+                                                     "ranks' entries, so it cannot resume on 1"):
+            _make(gate).load_state_dict(state)
 
 
 def test_a_window_with_batches_ahead_refuses_another_world_size(tmp_path: Path) -> None:
