@@ -37,6 +37,7 @@ from lightning.pytorch.profilers import Profiler
 from torch.utils.data import IterableDataset, TensorDataset
 
 from lightning_loaders.engines.autotune import available_cpus
+from lightning_loaders.loaders.resumable import ResumableLoader
 
 __all__ = ["DataStallMonitor", "DataStallWarning"]
 
@@ -267,19 +268,21 @@ def _stall_hints(trainer: pl.Trainer) -> list[str]:
     loader = _first_loader(trainer.train_dataloader)
     hints = []
     workers = getattr(loader, "num_workers", None)
+    tunes = isinstance(loader, ResumableLoader)  # takes num_workers="auto"
     cpus = available_cpus()
     if getattr(loader, "gathers_in_memory", False):
         hints.append("the data is in memory and every batch is one gather in the training "
                      "process (worker processes would only add the cost of sending it): keep "
                      "the tensors on the GPU and index them there, or use larger batches")
     elif workers == 0:
+        auto = ", or num_workers='auto' to tune it while training" if tunes else ""
         hints.append(f"num_workers=0 fetches every batch inside the training loop: load in "
                      f"worker processes, e.g. num_workers={max(1, min(cpus - 1, 8))} (this "
-                     f"process can use {cpus} CPUs), or num_workers='auto' to tune it while "
-                     "training")
-    elif isinstance(workers, int) and workers < cpus:
+                     f"process can use {cpus} CPUs){auto}")
+    elif isinstance(workers, int) and 0 < workers < cpus:  # FFCV's -1: one per CPU already
+        auto = " (num_workers='auto' tunes it while training)" if tunes else ""
         hints.append(f"more worker processes: num_workers={workers} now, this process can use "
-                     f"{cpus} CPUs (num_workers='auto' tunes it while training)")
+                     f"{cpus} CPUs{auto}")
     else:
         hints.append("more loader worker processes, or cheaper per-sample work (decode, "
                      "augmentation) in the dataset")

@@ -21,6 +21,7 @@ from lightning.pytorch.profilers import SimpleProfiler
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from lightning_loaders import ResumableLoader
+from lightning_loaders.engines.autotune import available_cpus
 from lightning_loaders.lightning.monitor import (
     DataStallMonitor,
     DataStallWarning,
@@ -164,6 +165,17 @@ def test_in_memory_data_gets_advice_that_fits_it(tmp_path: Path) -> None:
         trainer, _ = fit(tmp_path, loader, Model(), max_steps=2)
         hints = "\n".join(_stall_hints(trainer))
         assert expected in hints and unexpected not in hints
+
+
+@pytest.mark.skipif(available_cpus() < 2, reason="needs 2 CPUs to advise more than 1 worker")
+def test_num_workers_auto_is_offered_only_to_a_loader_that_takes_it(tmp_path: Path) -> None:
+    ours = ResumableLoader(SlowSamples(16, 0.0), batch_size=BATCH, num_workers=1)
+    plain = DataLoader(SlowSamples(16, 0.0), batch_size=BATCH, num_workers=1)
+    for loader, offered in ((ours, True), (plain, False)):
+        trainer, _ = fit(tmp_path, loader, Model(), max_steps=2)
+        hints = "\n".join(_stall_hints(trainer))
+        assert "more worker processes: num_workers=1 now" in hints
+        assert ("num_workers='auto'" in hints) is offered
 
 
 def test_values_are_logged_at_the_trainers_cadence(tmp_path: Path) -> None:
