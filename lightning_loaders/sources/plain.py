@@ -131,6 +131,11 @@ def refuse_rank_split(dataset: Any) -> None:
             "default nodesplitter is fine), " + _SOURCES_HINT)
 
 
+def _one_reader() -> int:
+    """The worker seed of a resampled WebDataset read as its only reader."""
+    return 0
+
+
 def _stages(pipeline: Any, depth: int) -> Iterator[Any]:
     """Every stage of a WebDataset pipeline and of the pipelines nested in it, in order."""
     stages = getattr(pipeline, "pipeline", None)
@@ -154,8 +159,9 @@ def _is_node_splitter(stage: Any) -> bool:
 
 
 def _seed_webdataset_shuffles(pipeline: Any, seed: int, epoch: int) -> None:
-    """Seed a WebDataset pipeline's own shuffles (``shardshuffle=``'s stage, ``.shuffle(n)``)
-    from the loader's seed and the epoch, before it is opened.
+    """Seed a WebDataset pipeline's own shuffles (``shardshuffle=``'s stage, ``.shuffle(n)``,
+    ``resampled=True``'s shard draws) from the loader's seed and the epoch, before it is
+    opened.
 
     WebDataset draws their seed in each process when none is given, so every rank and every
     restarted run would read another stream (a resume losing and repeating samples), and a
@@ -164,9 +170,12 @@ def _seed_webdataset_shuffles(pipeline: Any, seed: int, epoch: int) -> None:
     """
     for position, stage in enumerate(_stages(pipeline, _PIPELINE_DEPTH)):
         value = mix64(_SHUFFLE_TAG, seed, epoch, position) & 0x7FFFFFFF
-        if (type(stage).__name__ == "detshuffle"
-                and type(stage).__module__.startswith("webdataset")):
+        kind = type(stage).__name__ if type(stage).__module__.startswith("webdataset") else ""
+        if kind == "detshuffle":
             stage.seed, stage.epoch = value, -1  # its run() counts the epoch up to 0
+        elif kind == "ResampledShards":  # resampled=True: drawn from pid, clock and urandom
+            stage.seed, stage.epoch, stage.deterministic = value, -1, True
+            stage.worker_seed = _one_reader  # not the rank's and worker's: one stream
         elif _webdataset_function(stage, "_shuffle"):
             kept = {name: v for name, v in stage.kw.items() if name not in ("rng", "seed")}
             stage.args, stage.kw = stage.args[:2], {**kept, "seed": value}  # (bufsize, initial)

@@ -35,7 +35,7 @@ from torch.utils.data import (
 from lightning_loaders import GeneratorSource, ResumableLoader
 from lightning_loaders.errors import SampleFetchError
 from lightning_loaders.sources.plain import sole_reader
-from lightning_loaders.testing import check_resume_at_every_step
+from lightning_loaders.testing import check_resume_at_every_step, run_epochs
 from tests.conftest import IndexDataset
 from tests.ddp_harness import REPO, run_ddp
 from tests.real_data_harness import check_real_data_ddp
@@ -266,6 +266,22 @@ def test_a_webdatasets_own_shuffles_are_seeded_from_the_loader(detshuffle, data_
     assert first[0] != first[1] and first[0] != other_seed[0]
     for ids in first:
         assert Counter(ids) == Counter(read_ids(str(data_dir)))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_resampled_webdataset_is_one_stream_and_resumes_exactly(workers, data_dir) -> None:
+    """``resampled=True`` draws shards with a seed from the pid, the clock and urandom: the
+    loader seeds the draws, so runs agree and a resume goes on with the same draws."""
+
+    def make() -> ResumableLoader:
+        urls = sorted(str(path) for path in Path(data_dir).glob("*.tar"))
+        dataset = (wds.WebDataset(urls, resampled=True, shardshuffle=False).decode()
+                   .map(_wds_sample).with_epoch(TOTAL).with_length(TOTAL))
+        return ResumableLoader(dataset, batch_size=BATCH, num_workers=workers, seed=5)
+
+    full = check_resume_at_every_step(make, epochs=2, key=lambda batch: batch["id"].tolist())
+    again = run_epochs(make(), range(2), key=lambda batch: batch["id"].tolist())
+    assert full == again and full[0] != full[1]
 
 
 def test_a_hf_shuffle_without_a_seed_is_refused_with_the_fix(data_dir) -> None:
