@@ -9,7 +9,8 @@ extra required arguments convert too; behaviour a subclass adds in ``__iter__`` 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sized
+from typing import Any, cast
 
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
@@ -27,6 +28,8 @@ _REPLACES = {
     "last_batch": ("drop_last",),
     "generator": ("seed",),
 }
+# DataLoader settings that only apply with worker processes (refused without them).
+_WORKER_SETTINGS = ("timeout", "multiprocessing_context", "prefetch_factor", "persistent_workers")
 
 
 def make_resumable(loader: DataLoader[Any] | ResumableLoader, **overrides: Any
@@ -52,6 +55,9 @@ def make_resumable(loader: DataLoader[Any] | ResumableLoader, **overrides: Any
     for name in overrides:
         for replaced in _REPLACES.get(name, ()):
             arguments.pop(replaced, None)
+    if overrides.get("num_workers") == 0:  # the source's worker settings no longer apply
+        for name in _WORKER_SETTINGS:
+            arguments.pop(name, None)
     arguments.update(overrides)
     return ResumableLoader(**arguments)
 
@@ -59,36 +65,36 @@ def make_resumable(loader: DataLoader[Any] | ResumableLoader, **overrides: Any
 def loader_arguments(loader: DataLoader[Any], seed: int | None = None) -> dict[str, Any]:
     """``ResumableLoader`` keyword arguments that reproduce ``loader``."""
     dataset = loader.dataset
-    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-        raise TypeError(f"cannot convert a DataLoader over {type(dataset).__name__}: "
-                        "make_resumable needs a map-style dataset (with __len__ and __getitem__)")
+    iterable = isinstance(dataset, IterableDataset)
+    if not iterable and not hasattr(dataset, "__len__"):
+        raise TypeError(f"cannot convert a DataLoader over {type(dataset).__name__}: it has "
+                        "no __len__ and is no IterableDataset")
     sampler = loader.sampler if loader.batch_size is not None else loader.batch_sampler
     generator = loader.generator or _sampler_generator(sampler)
+    workers = loader.num_workers > 0  # DataLoader ignores the worker settings without workers
     arguments: dict[str, Any] = {
         "dataset": dataset,
         "num_workers": loader.num_workers,
         "collate_fn": None if loader.collate_fn is default_collate else loader.collate_fn,
         "pin_memory": loader.pin_memory,
-        "timeout": loader.timeout,
         "worker_init_fn": loader.worker_init_fn,
-        "multiprocessing_context": loader.multiprocessing_context,
         "generator": generator,
-        "prefetch_factor": loader.prefetch_factor if loader.num_workers > 0 else None,
-        "persistent_workers": loader.persistent_workers,
         "pin_memory_device": loader.pin_memory_device,
         "in_order": getattr(loader, "in_order", True),
         "seed": resolve_seed(seed, generator),
+        **({name: getattr(loader, name) for name in _WORKER_SETTINGS} if workers else {}),
     }
-    if loader.batch_size is not None:
+    if iterable:  # the plan orders it (a DataLoader gives an iterable dataset no sampler)
+        arguments.update(batch_size=loader.batch_size, drop_last=loader.drop_last)
+    elif loader.batch_size is not None:
         arguments.update(sampler=loader.sampler, batch_size=loader.batch_size,
                          drop_last=loader.drop_last)
     elif loader.batch_sampler is not None:
         order, batch_size, drop_last = order_from_batch_sampler(
-            loader.batch_sampler, len(dataset), arguments["seed"])
+            loader.batch_sampler, len(cast(Sized, dataset)), arguments["seed"])
         arguments.update(sampler=order, batch_size=batch_size, drop_last=drop_last)
-    else:
-        raise ValueError("cannot convert a DataLoader with batch_size=None and no batch_sampler "
-                         "(unbatched loading); use batch_size=1")
+    else:  # unbatched: each sample as the sampler gives it, converted
+        arguments.update(sampler=loader.sampler, batch_size=None)
     return arguments
 
 

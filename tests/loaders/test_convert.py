@@ -121,21 +121,55 @@ def test_an_existing_resumable_loader_passes_through() -> None:
 
 
 class _Stream(IterableDataset):
+    """Splits itself over workers, as torch's documentation shows."""
+
     def __iter__(self):
-        return iter(range(3))
+        info = torch.utils.data.get_worker_info()
+        ids = range(7)
+        return iter(ids if info is None else ids[info.id::info.num_workers])
+
+
+class _Unsized(torch.utils.data.Dataset):
+    def __getitem__(self, index: int) -> int:
+        return index
 
 
 @pytest.mark.parametrize(
     ("source", "error", "match"),
     [
-        (DataLoader(_Stream(), batch_size=2), TypeError, "map-style dataset"),
-        (DataLoader(IndexDataset(4), batch_size=None), ValueError, "unbatched"),
+        (DataLoader(_Unsized(), batch_size=2, sampler=[0, 1]), TypeError, "no __len__"),
         ([1, 2, 3], TypeError, "got list"),
     ],
 )
 def test_what_cannot_convert_says_why(source, error, match) -> None:
     with pytest.raises(error, match=match):
         make_resumable(source)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_iterable_dataset_and_unbatched_loading_convert(workers: int) -> None:
+    """What ``ResumableLoader`` takes directly: batches of an iterable dataset (read whole by
+    the plan, whatever its own split), and ``batch_size=None`` (each sample as it is)."""
+    stream = make_resumable(DataLoader(_Stream(), batch_size=2, num_workers=workers))
+    batches = [batch.tolist() for batch in stream]
+    assert len(batches) == 4 and sorted(i for b in batches for i in b) == list(range(7))
+    unbatched = make_resumable(DataLoader(TensorDataset(torch.arange(5)), batch_size=None,
+                                          shuffle=True, num_workers=workers))
+    samples = run_epochs(unbatched, range(2), key=lambda sample: int(sample[0]))
+    assert [sorted(epoch) for epoch in samples] == [list(range(5))] * 2
+    assert samples[0] != samples[1]
+    stream.close()
+    unbatched.close()
+
+
+def test_a_loader_without_workers_leaves_its_worker_settings_behind() -> None:
+    """``num_workers=0`` as an override: the source's prefetch, timeout and context no longer
+    apply (DataLoader ignores them without workers; ResumableLoader refuses them)."""
+    source = DataLoader(IndexDataset(6), batch_size=2, num_workers=2, timeout=5,
+                        multiprocessing_context="spawn", persistent_workers=True)
+    ours = make_resumable(source, num_workers=0)
+    assert ours.num_workers == 0
+    assert [indices(batch) for batch in ours] == [[0, 1], [2, 3], [4, 5]]
 
 
 def test_evaluation_loaders_read_every_sample_once_even_with_batch_size_one() -> None:
