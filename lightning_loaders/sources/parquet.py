@@ -43,10 +43,18 @@ class _ColumnarFiles(ShardedSource[dict[str, Any]]):
         wanted = None if columns is None else list(columns)
         self._shards: list[tuple[str, int]] = []
         self._lengths: list[int] = []
+        types: dict[str, Any] = {}  # the first file's type of each wanted column
         for path in self.paths:
-            names, lengths = self._describe(path, wanted)
-            wanted = names if wanted is None else wanted
-            _check_columns(wanted, names, path)
+            schema, lengths = self._describe(path, wanted)
+            wanted = list(schema.names) if wanted is None else wanted
+            _check_columns(wanted, list(schema.names), path)
+            for name in wanted:
+                kind = types.setdefault(name, schema.field(name).type)
+                if schema.field(name).type != kind:
+                    raise ValueError(
+                        f"column {name!r} is {schema.field(name).type} in {path} but {kind} in "
+                        f"{self.paths[0]}: a sample's type would depend on its file. Cast the "
+                        "files to one schema, or leave the column out (columns=...)")
             self._shards += [(path, piece) for piece in range(len(lengths))]
             self._lengths += lengths
         assert wanted is not None
@@ -81,9 +89,9 @@ class _ColumnarFiles(ShardedSource[dict[str, Any]]):
             yield from arrow_rows(table.slice(offset, _CONVERT_ROWS))
 
     @abstractmethod
-    def _describe(self, path: str, columns: list[str] | None) -> tuple[list[str], list[int]]:
-        """The file's column names and the rows of each piece, from its metadata (``columns``:
-        the wanted ones, when known)."""
+    def _describe(self, path: str, columns: list[str] | None) -> tuple[Any, list[int]]:
+        """The file's ``pyarrow.Schema`` and the rows of each piece, from its metadata
+        (``columns``: the wanted ones, when known)."""
 
     @abstractmethod
     def _read(self, path: str, piece: int) -> Any:
@@ -98,7 +106,7 @@ class ParquetSource(_ColumnarFiles):
             and ``.pq`` files, in sorted order; names starting with ``.`` or ``_`` are left
             out) or glob patterns (``data/**/*.parquet``); files in the order given.
         columns: the columns a sample holds, in this order (default: the first file's).
-            Only these are read. Every file must have them.
+            Only these are read. Every file must have them, of the same types.
         filesystem: a ``pyarrow.fs.FileSystem`` the paths are on (default: local paths);
             glob patterns need local paths.
 
@@ -108,7 +116,7 @@ class ParquetSource(_ColumnarFiles):
 
     suffixes = (".parquet", ".parq", ".pq")
 
-    def _describe(self, path: str, columns: list[str] | None) -> tuple[list[str], list[int]]:
+    def _describe(self, path: str, columns: list[str] | None) -> tuple[Any, list[int]]:
         import pyarrow.parquet as pq
 
         try:
@@ -116,7 +124,7 @@ class ParquetSource(_ColumnarFiles):
         except Exception as exc:
             raise ValueError(f"{path} is not a readable Parquet file: {exc}") from exc
         lengths = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
-        return list(metadata.schema.to_arrow_schema().names), lengths
+        return metadata.schema.to_arrow_schema(), lengths
 
     def _read(self, path: str, piece: int) -> Any:
         import pyarrow.parquet as pq
@@ -139,12 +147,13 @@ class ArrowSource(_ColumnarFiles):
 
     suffixes = (".arrow", ".feather", ".ipc")
 
-    def _describe(self, path: str, columns: list[str] | None) -> tuple[list[str], list[int]]:
+    def _describe(self, path: str, columns: list[str] | None) -> tuple[Any, list[int]]:
         import pyarrow as pa
 
         try:
             with self._open(path) as source:
-                names = list(pa.ipc.open_file(source).schema.names)
+                schema = pa.ipc.open_file(source).schema
+                names = list(schema.names)
         except pa.ArrowInvalid as exc:
             raise ValueError(f"{path} is not an Arrow IPC file ({exc}); write one with "
                              "pyarrow.ipc.new_file or pyarrow.feather.write_feather") from exc
@@ -152,8 +161,8 @@ class ArrowSource(_ColumnarFiles):
         fields = [names.index(first)] if first in names else None
         with self._open(path) as source:
             reader = self._reader(source, fields)
-            return names, [reader.get_batch(i).num_rows
-                           for i in range(reader.num_record_batches)]
+            return schema, [reader.get_batch(i).num_rows
+                            for i in range(reader.num_record_batches)]
 
     def _read(self, path: str, piece: int) -> Any:
         import pyarrow as pa

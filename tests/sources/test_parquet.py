@@ -208,6 +208,25 @@ def test_bad_input_is_refused_with_the_fix(files, tmp_path) -> None:
         ArrowSource(files[0])
 
 
+@pytest.mark.parametrize("kind", ["parquet", "arrow"])
+def test_files_whose_column_types_differ_are_refused(kind, tmp_path) -> None:
+    """Else a sample's type would depend on its file (int64 batches, then str ones)."""
+    tables = [pa.table({"id": [0, 1], "x": [0.5, 1.5]}),
+              pa.table({"id": ["2", "3"], "x": [2.5, 3.5]})]
+    paths = [tmp_path / f"{name}.{kind}" for name in "ab"]
+    for table, path in zip(tables, paths, strict=True):
+        if kind == "parquet":
+            pq.write_table(table, path)
+        else:
+            with pa.ipc.new_file(path, table.schema) as sink:
+                sink.write_table(table)
+    source = ParquetSource if kind == "parquet" else ArrowSource
+    with pytest.raises(ValueError, match=r"column 'id' is string in .*b\..* but int64 in "
+                                         r".*a\..*Cast the files to one schema"):
+        source(paths)
+    assert [row["x"] for row in source(paths, columns=["x"])] == [0.5, 1.5, 2.5, 3.5]
+
+
 # -- under the loader ---------------------------------------------------------------------------
 
 
