@@ -115,7 +115,8 @@ class ExactResume(Callback):
       training loaders'), so a shuffled validation loader goes on with the order of its next
       pass;
     - after a checkpoint at the last batch of an epoch, the next epoch starts as usual (with
-      its ``on_train_epoch_start``), and checkpoints written in it resume exactly too;
+      its ``on_train_epoch_start``, and ``batch_idx`` from 0 also for an unsized loader), and
+      checkpoints written in it resume exactly too;
     - after a mid-epoch checkpoint resumed on another world size (an elastic resume), the
       epoch's batches are counted from where the training loaders resume on the new layout
       (``resume_batch()`` of this package's loaders), so Lightning asks for exactly the batches
@@ -266,7 +267,7 @@ class ExactResume(Callback):
         if (fit_loop.restarted_mid_epoch and epoch_loop.restarted_on_train_batch_end
                 and epoch_loop.batch_progress.is_last_batch):
             fit_loop.reset_restart_stage()
-            _count_as_epoch_end(epoch_loop.batch_progress.current, trainer.num_training_batches)
+            _count_as_epoch_end(epoch_loop, trainer.num_training_batches)
         self._run_pending(trainer, pl_module)
         if fit_loop.restarted_mid_epoch:
             _count_from_loaders(trainer)
@@ -366,15 +367,27 @@ class ExactResume(Callback):
         return _Pending(dataloader_idx=j, batch_idx=k, replay=k, origin=origin), states
 
 
-def _count_as_epoch_end(current: Any, batches: float) -> None:
+def _count_as_epoch_end(epoch_loop: Any, batches: float) -> None:
     """Count a checkpoint at an epoch's last batch as that epoch's end on this layout too.
 
-    Resumed on fewer ranks (more batches per rank), the saved per-epoch count of an elastic
-    loader's epoch falls short of the new ``num_training_batches``; Lightning then takes the
-    next epoch for the rest of that one and ends it early (``loops/training_epoch_loop.py``
-    ``reset``: the count is cleared only when it reaches ``num_training_batches``). As saved
-    on the same layout: every batch handed over and done, the last not yet completed."""
-    if batches == float("inf") or current.ready >= batches:
+    Lightning clears an epoch's counts when, restarted there, its batch count reaches
+    ``num_training_batches`` (``loops/training_epoch_loop.py`` ``reset``, after one more
+    ``completed``). Resumed on fewer ranks (more batches per rank), an elastic loader's saved
+    count falls short of the new ``num_training_batches``, and for an unsized loader it never
+    reaches it: Lightning would take the next epoch for the rest of that one, ending it early
+    or counting its ``batch_idx`` (and the validations an integer ``val_check_interval``
+    places by it) on from the restored epoch's. As saved on the same layout: every batch
+    handed over and done, the last not yet completed; an unsized loader's counts are cleared
+    here, one short of the ``completed`` that ``reset`` adds."""
+    current = epoch_loop.batch_progress.current
+    if batches == float("inf"):
+        for progress in (epoch_loop.batch_progress, epoch_loop.scheduler_progress,
+                         epoch_loop.automatic_optimization.optim_progress):
+            progress.reset_on_run()
+        epoch_loop.val_loop.batch_progress.total.reset()
+        current.completed = -1
+        return
+    if current.ready >= batches:
         return
     current.ready = current.started = current.processed = int(batches)
     current.completed = int(batches) - 1

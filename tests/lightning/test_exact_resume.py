@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader
 
-from lightning_loaders import ResumableLoader, make_resumable
+from lightning_loaders import GeneratorSource, ResumableLoader, make_resumable
 from lightning_loaders.lightning.datamodule import ResumableDataModule
 from lightning_loaders.lightning.exact_resume import ExactResume
 from tests.conftest import IndexDataset
@@ -324,6 +324,30 @@ def test_a_combined_validation_loader_that_leaves_a_member_mid_epoch(tmp_path: P
     full, steps, exact_steps = resume_from_every_step(combined(mode), tmp_path,
                                                       val_check_interval=0.5)
     assert validation_passes(full) == [3, 6, 9, 12]
+    assert exact_steps == steps == list(range(1, STEPS + 1))
+
+
+def _samples(shard: tuple[int, int]) -> Iterator[dict[str, torch.Tensor]]:
+    return ({"index": torch.tensor(i)} for i in range(*shard))
+
+
+def unsized() -> Loaders:
+    """12 training samples of unknown length (3 uneven shards), 6 batches an epoch."""
+
+    def make() -> tuple[Any, Any]:
+        train = ResumableLoader(GeneratorSource(_samples, [(0, 5), (5, 9), (9, 12)]),
+                                batch_size=2, shuffle=True, shuffle_buffer=4, seed=3)
+        return train, resumable()()[1]
+
+    return make
+
+
+def test_an_unsized_training_loader_restarted_at_an_epochs_end(tmp_path: Path) -> None:
+    """Lightning clears an epoch's batch count when it reaches ``num_training_batches``,
+    never for an unsized loader: the next epoch's ``batch_idx``, and the validations an
+    integer ``val_check_interval`` places by it, would go on from the restored epoch's."""
+    full, steps, exact_steps = resume_from_every_step(unsized(), tmp_path, val_check_interval=4)
+    assert validation_passes(full) == [4, 10]
     assert exact_steps == steps == list(range(1, STEPS + 1))
 
 
