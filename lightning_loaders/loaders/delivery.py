@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, Self
 
-from lightning_loaders.loaders.prefetch import batches_held, find_prefetcher
+from lightning_loaders.loaders.prefetch import batches_held, find_prefetcher, fit_epoch
 from lightning_loaders.state import PARTS
 
 __all__ = [
@@ -62,6 +62,9 @@ class Schedule(Protocol):
 
     def loading(self) -> AbstractContextManager[None]: ...
 
+    @property
+    def restoring(self) -> bool: ...
+
 
 class DeliveryCore:
     """The loader surface shared by every loader (see the module docstring).
@@ -78,9 +81,25 @@ class DeliveryCore:
     _prefetcher: weakref.ref[Any] | None = None
 
     def __iter__(self) -> Iterator[Any]:
-        """A new iterator. Cheap: the epoch and the engine start at its first ``next()``."""
+        """A new iterator. Cheap: the epoch and the engine start at its first ``next()``.
+
+        Under Lightning's prefetching fetcher: the fit loop's first fetch comes before it
+        gives the epoch, which is then taken from it, unless a restored state decides (its
+        saved epoch owner does; the fit loop's count may still move on a restart); and a
+        fetcher that makes a new iterator while it holds batches of ours
+        (``reload_dataloaders_every_n_epochs`` iterates twice) never trained on them, so the
+        new one goes on from before them (the cursor its state would save), not with the next
+        epoch."""
+        prefetcher = find_prefetcher()
+        again = prefetcher is not None and self._prefetcher is not None and (
+            prefetcher() is self._prefetcher())
+        if again and batches_held(prefetcher):
+            self.load_state_dict(self.state_dict())
         self._iter_token += 1
-        self._prefetcher = find_prefetcher()
+        self._prefetcher = prefetcher
+        if (prefetcher is not None and not self.schedule.restoring
+                and (epoch := fit_epoch()) is not None):
+            self.schedule.set_epoch(epoch)  # Lightning fetches a batch before it says so
         return Delivery(self, self._iter_token)
 
     def __len__(self) -> int:

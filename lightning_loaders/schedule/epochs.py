@@ -65,6 +65,11 @@ class EpochOwner:
             return self._placement
         return resolve_rank_world(*self._explicit_placement)
 
+    @property
+    def restoring(self) -> bool:
+        """Whether a restored state waits for the next epoch start."""
+        return self._pending is not None
+
     def set_epoch(self, epoch: int) -> None:
         """Record the trainer's epoch; it takes effect at the next epoch start."""
         if epoch < 0:

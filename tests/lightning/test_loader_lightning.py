@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import CombinedLoader
 
-from lightning_loaders import ResumableLoader
+from lightning_loaders import GeneratorSource, ResumableLoader
 from tests.conftest import IndexDataset
 from tests.lightning_harness import (
     RecordingModule,
@@ -51,6 +52,36 @@ def test_the_first_resumed_epoch_gets_its_own_shuffle(tmp_path: Path) -> None:
     resumed = fit_recording(make, tmp_path, 3, ckpt_path=end_of_epoch_0)
     assert resumed == full[3:]
     assert [b for e, _, b in resumed if e == 1] != [b for e, _, b in full if e == 0]
+
+
+def _stream(shard: tuple[int, int]):
+    return ({"index": torch.tensor(i)} for i in range(*shard))
+
+
+def unsized(**kwargs):
+    """12 samples of unknown length: Lightning prefetches a batch before ``set_epoch``."""
+
+    def make() -> ResumableLoader:
+        return ResumableLoader(GeneratorSource(_stream, [(0, 5), (5, 9), (9, 12)]),
+                               batch_size=2, shuffle=True, shuffle_buffer=4, seed=7, **kwargs)
+
+    return make
+
+
+def test_an_unsized_loader_starts_the_fit_loops_epoch_before_it_is_told(tmp_path: Path
+                                                                       ) -> None:
+    """A fresh loader in a resumed run (a checkpoint written at an epoch's end, which Lightning
+    does not restore loaders from) or in a reloaded epoch is fetched from before ``set_epoch``:
+    it takes the epoch from the fit loop, not epoch 0's order."""
+    directory = tmp_path / "ckpt"
+    epoch_ends = ModelCheckpoint(dirpath=directory, every_n_epochs=1, save_top_k=-1,
+                                 filename="{epoch}")
+    full = fit_recording(unsized(), tmp_path, 3, [epoch_ends])
+    orders = [[b for e, _, b in full if e == epoch] for epoch in range(3)]
+    assert orders[0] != orders[1] != orders[2]
+    resumed = fit_recording(unsized(), tmp_path, 3, ckpt_path=directory / "epoch=0.ckpt")
+    assert resumed == full[len(orders[0]):]
+    assert fit_recording(unsized(), tmp_path, 3, reload_dataloaders_every_n_epochs=1) == full
 
 
 def test_limit_train_batches_leaves_no_stale_tail(tmp_path: Path) -> None:
