@@ -351,6 +351,22 @@ def test_an_unsized_training_loader_restarted_at_an_epochs_end(tmp_path: Path) -
     assert exact_steps == steps == list(range(1, STEPS + 1))
 
 
+def test_a_shuffled_unsized_validation_loader(tmp_path: Path) -> None:
+    """After the pass run on restore, Lightning counts the validation done, and its ``reset``
+    fetches a batch of an unsized loader: the next pass must not move on an epoch for it."""
+
+    def loaders() -> tuple[Any, Any]:
+        val = ResumableLoader(GeneratorSource(_samples, [(0, 3), (3, 6)]), batch_size=2,
+                              shuffle=True, shuffle_buffer=4, seed=4, evaluation=True)
+        return resumable()()[0], val
+
+    full, steps, exact_steps = resume_from_every_step(loaders, tmp_path, val_check_interval=0.5)
+    orders = [tuple(i for e in full if e[0] == "val" for i in e[4])[p * 6:p * 6 + 6]
+              for p in range(4)]
+    assert len(set(orders)) == 4
+    assert exact_steps == steps == list(range(1, STEPS + 1))
+
+
 def test_a_validation_loader_first_read_in_a_later_epoch(tmp_path: Path) -> None:
     """No pass has read it when the checkpoint is written: restored, it starts at the
     trainer's epoch as a new one does (its unread state would pin it to epoch 0's order)."""
