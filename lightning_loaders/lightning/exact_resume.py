@@ -114,6 +114,8 @@ class ExactResume(Callback):
     - the validation loaders' states travel with every checkpoint (Lightning saves only the
       training loaders'), so a shuffled validation loader goes on with the order of its next
       pass;
+    - a checkpoint written in ``on_train_epoch_start`` resumes with that whole epoch
+      (Lightning alone keeps the last epoch's batch count there and ends it after a batch);
     - after a checkpoint at the last batch of an epoch, the next epoch starts as usual (with
       its ``on_train_epoch_start``, and ``batch_idx`` from 0 also for an unsized loader), and
       checkpoints written in it resume exactly too;
@@ -264,6 +266,8 @@ class ExactResume(Callback):
         the epoch's batches from where the training loaders resume on this layout."""
         fit_loop = trainer.fit_loop
         epoch_loop = fit_loop.epoch_loop
+        if fit_loop.restarted_on_epoch_start:  # saved in on_train_epoch_start
+            epoch_loop.batch_progress.reset_on_run()  # not the last epoch's count
         if (fit_loop.restarted_mid_epoch and epoch_loop.restarted_on_train_batch_end
                 and epoch_loop.batch_progress.is_last_batch):
             fit_loop.reset_restart_stage()

@@ -351,6 +351,25 @@ def test_an_unsized_training_loader_restarted_at_an_epochs_end(tmp_path: Path) -
     assert exact_steps == steps == list(range(1, STEPS + 1))
 
 
+class SaveAtEpochStart(L.Callback):
+    def __init__(self, path: Path, epoch: int) -> None:
+        self.path, self.epoch = path, epoch
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.current_epoch == self.epoch:
+            trainer.save_checkpoint(self.path)
+
+
+@pytest.mark.parametrize("loaders", [resumable(), unsized()], ids=["sized", "unsized"])
+def test_a_checkpoint_written_at_an_epochs_start(tmp_path: Path, loaders: Loaders) -> None:
+    """Lightning keeps the last epoch's batch count there and would end the new epoch after
+    one batch (with any loader)."""
+    path = tmp_path / "start.ckpt"
+    full = fit(loaders, tmp_path, [SaveAtEpochStart(path, 1)], val_check_interval=4)
+    assert fit(loaders, tmp_path, ckpt_path=path, val_check_interval=4) == full
+    assert fit(loaders, tmp_path, exact=False, ckpt_path=path, val_check_interval=4) != full
+
+
 def test_a_shuffled_unsized_validation_loader(tmp_path: Path) -> None:
     """After the pass run on restore, Lightning counts the validation done, and its ``reset``
     fetches a batch of an unsized loader: the next pass must not move on an epoch for it."""
