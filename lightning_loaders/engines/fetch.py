@@ -120,13 +120,17 @@ class BatchFetcher(Dataset[Any]):
         first = next(requests, None)
         if first is None:
             return
-        row_bytes = _nbytes(gather(torch.from_numpy(first.indices[:1])))
+        row_bytes = _nbytes(gather(torch.zeros(1, dtype=torch.int64)))
         per_block = max(1, _GATHER_BLOCK_BYTES // max(1, row_bytes * len(first.indices)))
         block = [first, *islice(requests, per_block - 1)]
         while block:
             sizes = [len(request.indices) for request in block]
-            whole = gather(torch.from_numpy(np.concatenate([r.indices for r in block])))
-            yield from _split(whole, sizes)
+            try:
+                whole = gather(torch.from_numpy(np.concatenate([r.indices for r in block])))
+            except IndexError:  # an index outside [0, len): each batch as its fetch says
+                yield from map(self.__getitem__, block)
+            else:
+                yield from _split(whole, sizes)
             block = list(islice(requests, per_block))
 
     def __getitem__(self, request: BatchRequest) -> Any:
@@ -147,7 +151,10 @@ class BatchFetcher(Dataset[Any]):
     def _fetch(self, request: BatchRequest) -> Any:
         gather = self._gather
         if gather is not None:
-            return gather(torch.from_numpy(request.indices))
+            try:
+                return gather(torch.from_numpy(request.indices))
+            except IndexError:  # an index outside [0, len) (a sampler's): fetched sample by
+                pass  # sample, where a negative one counts from the end, as in DataLoader
         with seeded_fetch(self.seed, request.epoch, request.batch, request.rank):
             skipped: list[SkippedSample] = []
             getitems = self._getitems

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, StackDataset, Subset, TensorDataset
 
-from lightning_loaders import ResumableLoader, sample_context
+from lightning_loaders import ResumableLoader, SampleFetchError, sample_context
 from lightning_loaders.engines.fetch import BatchFetcher
 from lightning_loaders.schedule.requests import BatchRequest
 
@@ -160,6 +160,27 @@ def test_no_gather_where_it_could_differ(dataset, collate_fn) -> None:
     if collate_fn is None and not isinstance(dataset, torch.Tensor):
         batch = fetcher[_request([2, 0, 1])]
         assert_same(batch, torch.utils.data.default_collate([dataset[i] for i in (2, 0, 1)]))
+
+
+@pytest.mark.parametrize("data", [torch.arange(10), TensorDataset(torch.arange(10))],
+                         ids=["tensor", "TensorDataset"])
+def test_a_samplers_index_outside_in_memory_data_is_fetched_as_dataloader_does(data) -> None:
+    """The gather takes indices in ``[0, len)``; others go sample by sample: a negative one
+    counts from the end (as ``DataLoader``'s ``dataset[i]`` does), a too large one is a
+    ``SampleFetchError`` naming it (also an ``IndexError``), which ``on_error="skip"`` skips."""
+
+    def first(batch):
+        return (batch[0] if isinstance(batch, list) else batch).tolist()
+
+    expected = [first(b) for b in DataLoader(data, batch_size=2, sampler=[-1, 2, 3, 4])]
+    got = [first(b) for b in ResumableLoader(data, batch_size=2, sampler=[-1, 2, 3, 4])]
+    assert got == expected == [[9, 2], [3, 4]]
+    with pytest.raises(SampleFetchError, match="sample index 30") as caught:
+        list(ResumableLoader(data, batch_size=2, sampler=[1, 30]))
+    assert isinstance(caught.value, IndexError)
+    skipping = ResumableLoader(data, batch_size=3, sampler=[1, 30, 2], on_error="skip")
+    assert [first(b) for b in skipping] == [[1, 2]]
+    assert [sample.index for sample in skipping.skipped] == [30]
 
 
 def test_explicit_default_collate_still_gathers() -> None:
