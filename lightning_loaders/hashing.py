@@ -7,6 +7,7 @@ hashed here, so results never depend on global RNG state, worker count or call o
 from __future__ import annotations
 
 import hashlib
+import numbers
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,17 @@ import numpy as np
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _INITIAL = 0x6A09E667F3BCC909  # mix64() of nothing
+
+
+def checked_seed(seed: Any, name: str = "seed") -> int:
+    """``seed`` as an int, refused unless it is one (not a bool, float or string) that the
+    64-bit hashes keep apart from every other: ``-2**63 <= seed < 2**64``."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {seed!r} ({type(seed).__name__})")
+    if not -(1 << 63) <= int(seed) <= _MASK64:
+        raise ValueError(f"{name} must lie in [-2**63, 2**64), got {seed}: larger seeds wrap "
+                         "around onto smaller ones")
+    return int(seed)
 
 
 def mix64(*values: int) -> int:

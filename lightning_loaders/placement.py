@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 from typing import Any
 
@@ -17,17 +18,32 @@ def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -
     if (rank is None) != (world_size is None):
         raise ValueError(f"give both rank and world_size or neither (got rank={rank}, "
                          f"world_size={world_size})")
+    source = "got"
     if rank is None or world_size is None:
         if dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(), dist.get_world_size()
         elif "WORLD_SIZE" in os.environ:
-            world_size = int(os.environ["WORLD_SIZE"])
-            rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
+            rank_name = "RANK" if "RANK" in os.environ else "LOCAL_RANK"
+            source = "the environment says"
+            world_size = _env_int("WORLD_SIZE")
+            rank = _env_int(rank_name) if rank_name in os.environ else 0
         else:
             rank, world_size = 0, 1
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-    return rank, world_size
+        raise ValueError(f"need 0 <= rank < world_size, {source} rank={rank}, "
+                         f"world_size={world_size}")
+    return int(rank), int(world_size)
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ[name])
+    except ValueError:
+        raise ValueError(f"the environment variable {name}={os.environ[name]!r} is not an "
+                         "int") from None
 
 
 def resolve_device(trainer: Any = None, device: torch.device | str | None = None) -> torch.device:

@@ -1,7 +1,10 @@
+import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightning_loaders.hashing import mix64, mix64_after, seed32
+from lightning_loaders import DynamicWeightedSampler, Mix, ResumableLoader
+from lightning_loaders.hashing import checked_seed, mix64, mix64_after, seed32
 
 words = st.lists(st.integers(-(2**70), 2**70), max_size=5)
 
@@ -20,3 +23,17 @@ def test_hashes_fit_their_widths(values: list[int]) -> None:
 def test_every_value_and_its_place_matter() -> None:
     hashes = {mix64(), mix64(0), mix64(1), mix64(0, 1), mix64(1, 0), mix64(0, 0)}
     assert len(hashes) == 6
+
+
+@pytest.mark.parametrize(("seed", "error", "match"), [
+    (1.7, TypeError, "seed must be an int, got 1.7"), ("12", TypeError, "got '12'"),
+    (True, TypeError, "got True"), (2**64, ValueError, "wrap around"),
+    (-(2**63) - 1, ValueError, "must lie in")])
+def test_a_seed_the_hashes_cannot_keep_apart_is_refused(seed, error, match) -> None:
+    """``2**64`` used to give seed 0's order, ``1.7`` seed 1's, in silence."""
+    for build in (lambda: ResumableLoader(list(range(4)), shuffle=True, seed=seed),
+                  lambda: Mix([[1, 2], [3]], [1, 1], seed=seed),
+                  lambda: DynamicWeightedSampler(torch.ones(3), seed=seed)):
+        with pytest.raises(error, match=match):
+            build()
+    assert checked_seed(2**64 - 1) == 2**64 - 1 and checked_seed(-(2**63)) == -(2**63)

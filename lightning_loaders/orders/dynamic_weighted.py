@@ -15,6 +15,7 @@ ones; a resume needs nothing else, because positions before the cursor are never
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 from torch.utils.data import Sampler
 
 from lightning_loaders.collectives import all_gather
-from lightning_loaders.hashing import digest, mix64
+from lightning_loaders.hashing import checked_seed, digest, mix64
 from lightning_loaders.orders.random import check_weights, weighted_draws
 
 __all__ = ["DynamicWeightedSampler", "check_same_on_every_rank"]
@@ -50,10 +51,11 @@ class DynamicWeightedSampler(Sampler[int]):
         super().__init__()
         self._initial = check_weights(weights)
         self._initial_digest = digest(self._initial)
+        if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(
+                num_samples, numbers.Integral) or num_samples < 1):
+            raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
         self.num_samples = self._initial.size if num_samples is None else int(num_samples)
-        if self.num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        self.seed = seed
+        self.seed = None if seed is None else checked_seed(seed)
         self.version = 0
         self._epoch = 0
         self._use(self._initial)

@@ -46,6 +46,8 @@ class EpochOwner:
     """
 
     def __init__(self, rank: int | None, world_size: int | None) -> None:
+        if rank is not None or world_size is not None:
+            resolve_rank_world(rank, world_size)  # explicit ones are checked now
         self._explicit_placement = (rank, world_size)
         self._placement: tuple[int, int] | None = None
         self.epoch: int | None = None

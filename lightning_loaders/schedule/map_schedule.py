@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from lightning_loaders.errors import StateMismatchError
+from lightning_loaders.hashing import checked_seed
 from lightning_loaders.orders.base import SampleOrder
 from lightning_loaders.schedule.audit import AUDIT, audit_part, batch_digest, check_audit
 from lightning_loaders.schedule.epochs import EpochOwner
@@ -326,7 +327,7 @@ def resolve_seed(seed: int | None, generator: torch.Generator | None = None) -> 
     """``seed``, else the ``generator``'s initial seed, else ``$PL_GLOBAL_SEED`` (which
     Lightning's ``seed_everything`` sets, also in DDP's launched processes), else 0."""
     if seed is not None:
-        return int(seed)
+        return checked_seed(seed)
     if generator is not None:
         return int(generator.initial_seed())
     return int(os.environ.get("PL_GLOBAL_SEED", 0))

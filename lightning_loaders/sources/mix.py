@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset, IterableDataset
 
+from lightning_loaders.hashing import checked_seed
 from lightning_loaders.orders.mix import MixMode, MixOrder, WeightSchedule
 from lightning_loaders.sources.shards import ShardedSource
 
@@ -70,7 +71,7 @@ class Mix(Dataset[Any]):
         self._total = int(sum(lengths))
         self._order: MixOrder | None = MixOrder(
             lengths, WeightSchedule(weights, len(members)), mode, samples_per_epoch, batch_size,
-            seed)
+            None if seed is None else checked_seed(seed))
 
     @property
     def order(self) -> MixOrder:
