@@ -189,6 +189,9 @@ class ResumableIterableLoader(ResumableLoader):
         if lengths is not None and sum(lengths) == 0:
             raise ValueError(f"the dataset ({type(dataset).__name__}) is empty: its shard "
                              "lengths add up to 0")
+        if partitions is not None and lengths is not None and partitions > sum(lengths):
+            raise ValueError(f"partitions={partitions} is more than the {sum(lengths)} samples "
+                             "to cut into partitions; use at most that many")
         if self.last_batch == "rollover" and (lengths is None or strided):
             raise ValueError("last_batch='rollover' needs a ShardedSource with known shard "
                              "lengths; use 'keep' or 'drop'")

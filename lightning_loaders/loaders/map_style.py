@@ -77,7 +77,8 @@ class MapStyleLoader(ResumableLoader):
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
             raise TypeError(f"{type(self).__name__} needs a map-style dataset (with __len__ and "
                             "__getitem__); ResumableLoader picks the loader for an iterable one")
-        if options.shuffle_buffer != 0 or options.sync_interval != 8 or options.partitions:
+        if (options.shuffle_buffer != 0 or options.sync_interval != 8
+                or options.partitions is not None):
             raise ValueError("shuffle_buffer, sync_interval and partitions are for iterable "
                              "datasets; a map-style dataset is shuffled over the whole epoch "
                              "with shuffle=True, its ranks always have equal batch counts, and "
@@ -111,8 +112,9 @@ class MapStyleLoader(ResumableLoader):
             raise ValueError("shuffle=True cannot be combined with a sampler: the sampler "
                              "decides the order (drop shuffle, or drop the sampler)")
         if len(dataset) < 1:
-            raise ValueError(f"the dataset ({type(dataset).__name__}) is empty: len() is 0; a "
-                             "loader needs at least one sample (check its path or filter)")
+            raise ValueError(f"the dataset ({type(dataset).__name__}) is empty: len() is 0 "
+                             "(DataLoader would yield no batch; a resumable loader needs at "
+                             "least one sample to plan its epochs: check the path or filter)")
         self._order_source = (sampler, bool(options.shuffle))
         order = self._make_order(sampler, bool(options.shuffle), len(dataset))
         self._order_read = self._order_key()

@@ -101,11 +101,18 @@ def check_loader_arguments(*, batch_size: Any, num_workers: Any, timeout: Any,
     for name, fn in (("collate_fn", collate_fn), ("worker_init_fn", worker_init_fn)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable, got a {type(fn).__name__}: {fn!r}")
+    if multiprocessing_context is not None and num_workers == 0:
+        raise ValueError(f"multiprocessing_context={multiprocessing_context!r} needs "
+                         "num_workers > 0 (as in DataLoader): set num_workers, or drop it")
     if isinstance(multiprocessing_context, str):
         methods = multiprocessing.get_all_start_methods()
         if multiprocessing_context not in methods:
             raise ValueError(f"multiprocessing_context={multiprocessing_context!r} is not a "
                              f"start method on this platform: use one of {methods}")
+    elif multiprocessing_context is not None and not callable(
+            getattr(multiprocessing_context, "get_start_method", None)):
+        raise TypeError(f"multiprocessing_context must be a start method's name or a "
+                        f"multiprocessing context, got {multiprocessing_context!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}: 'process' for "
                          "worker processes, 'thread' for worker threads (when fetching releases "

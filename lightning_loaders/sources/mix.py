@@ -146,9 +146,14 @@ class _ShardRows:
 
     def __getitem__(self, index: int) -> Any:
         shard = bisect.bisect_right(self._starts, index) - 1
-        rows = self.source.open_shard(shard, index - self._starts[shard])
+        offset = index - self._starts[shard]
+        rows = self.source.open_shard(shard, offset)
         try:
             return next(iter(rows))
+        except StopIteration:
+            raise ValueError(f"shard {shard} of the {type(self.source).__name__} ended before "
+                             f"sample {offset}, which its declared length promises: fix the "
+                             "source's shard_lengths") from None
         finally:
             close = getattr(rows, "close", None)
             if callable(close):

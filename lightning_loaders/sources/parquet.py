@@ -22,7 +22,7 @@ from typing import Any
 
 from lightning_loaders.hashing import digest
 from lightning_loaders.sources.shards import ShardedSource
-from lightning_loaders.sources.tables import arrow_rows
+from lightning_loaders.sources.tables import arrow_rows, check_columns
 
 __all__ = ["ArrowSource", "ParquetSource"]
 
@@ -40,14 +40,13 @@ class _ColumnarFiles(ShardedSource[dict[str, Any]]):
                  filesystem: Any = None) -> None:
         self.filesystem = filesystem
         self.paths = _expand(paths, self.suffixes, filesystem, type(self).__name__)
-        wanted = None if columns is None else list(columns)
+        wanted: Sequence[str] | None = columns
         self._shards: list[tuple[str, int]] = []
         self._lengths: list[int] = []
         types: dict[str, Any] = {}  # the first file's type of each wanted column
         for path in self.paths:
-            schema, lengths = self._describe(path, wanted)
-            wanted = list(schema.names) if wanted is None else wanted
-            _check_columns(wanted, list(schema.names), path)
+            schema, lengths = self._describe(path, None if wanted is None else list(wanted))
+            wanted = check_columns(wanted, list(schema.names), path)
             for name in wanted:
                 kind = types.setdefault(name, schema.field(name).type)
                 if schema.field(name).type != kind:
@@ -58,7 +57,7 @@ class _ColumnarFiles(ShardedSource[dict[str, Any]]):
             self._shards += [(path, piece) for piece in range(len(lengths))]
             self._lengths += lengths
         assert wanted is not None
-        self.columns: list[str] = wanted
+        self.columns: list[str] = list(wanted)
 
     @property
     def shards(self) -> list[tuple[str, int]]:
@@ -244,13 +243,3 @@ def _wanted(relative: str, suffixes: tuple[str, ...]) -> bool:
     part (``.x``, ``_x``)."""
     parts = relative.replace(os.sep, "/").split("/")
     return relative.endswith(suffixes) and not any(p.startswith((".", "_")) for p in parts)
-
-
-def _check_columns(wanted: list[str], available: list[str], path: str) -> None:
-    if not wanted:
-        raise ValueError(f"no columns to read from {path}; available: {available}")
-    missing = [name for name in wanted if name not in available]
-    if missing:
-        raise ValueError(f"{path} has no column(s) {missing}; available: {available}")
-    if len(set(wanted)) != len(wanted):
-        raise ValueError(f"columns {wanted} name a column more than once")

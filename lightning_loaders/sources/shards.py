@@ -128,6 +128,9 @@ class GeneratorSource(ShardedSource[T]):
 
     def __init__(self, fn: Callable[..., Iterable[T]], shards: Sequence[Any],
                  lengths: Sequence[int] | None = None, seekable: bool = False) -> None:
+        if not callable(fn):
+            raise TypeError(f"GeneratorSource needs a callable fn(shard), got "
+                            f"{type(fn).__name__}")
         self.fn = fn
         self._shards = list(shards)
         self._lengths = checked_lengths(lengths, len(self._shards))
@@ -158,14 +161,17 @@ class GeneratorSource(ShardedSource[T]):
 class _FileShards(ShardedSource[T]):
     """Files as shards; subclasses say how one file is cut into samples."""
 
-    def __init__(self, paths: Sequence[str | os.PathLike[str]], lengths: Lengths = None,
-                 decode: Callable[[Any], T] | None = None) -> None:
-        self.paths = [os.fspath(path) for path in paths]
+    def __init__(self, paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+                 lengths: Lengths = None, decode: Callable[[Any], T] | None = None) -> None:
+        listed = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
+        self.paths = [os.fspath(path) for path in listed]
         if not self.paths:
             raise ValueError(f"{type(self).__name__} needs at least one file")
         missing = [path for path in self.paths if not os.path.isfile(path)]
         if missing:
             raise FileNotFoundError(f"{type(self).__name__}: no such file(s): {missing[:5]}")
+        if decode is not None and not callable(decode):
+            raise TypeError(f"decode must be callable, got {type(decode).__name__}")
         self.decode = decode
         if lengths == "scan":
             self._lengths: list[int] | None = [self._count(path) for path in self.paths]
@@ -360,7 +366,8 @@ def checked_lengths(lengths: Any, count: int) -> list[int] | None:
     if lengths is None:
         return None
     if isinstance(lengths, str):
-        raise ValueError(f"lengths must be a sequence of ints, 'scan' or None, got {lengths!r}")
+        raise ValueError(f"lengths must be a sequence of ints or None, got {lengths!r} (file "
+                         "sources also take 'scan', to count their samples)")
     values = list(lengths)
     if len(values) != count:
         raise ValueError(f"lengths has {len(values)} entries for {count} shards")

@@ -38,10 +38,9 @@ class TableDataset(Dataset[dict[str, Any]]):
 
     def __init__(self, table: Any, columns: Sequence[str] | None = None) -> None:
         arrow = _as_arrow(table)
-        names = list(arrow.column_names) if columns is None else list(columns)
-        _check_columns(names, list(arrow.column_names), f"the {type(table).__name__}")
-        self.columns: list[str] = names
-        self.table = arrow.select(names).combine_chunks()
+        self.columns: list[str] = check_columns(columns, list(arrow.column_names),
+                                                f"the {type(table).__name__}")
+        self.table = arrow.select(self.columns).combine_chunks()
         self._arrays = _numeric_arrays(self.table)
 
     def __len__(self) -> int:
@@ -161,7 +160,13 @@ def _as_arrow(table: Any) -> Any:
                     f"polars DataFrame, got {kind.__module__}.{kind.__name__}{hint}")
 
 
-def _check_columns(wanted: list[str], available: list[str], where: str) -> None:
+def check_columns(columns: Sequence[str] | None, available: list[str], where: str) -> list[str]:
+    """The columns a sample holds: ``columns`` (default: all ``available``), checked against
+    ``where``'s (a ``ValueError`` naming the missing ones)."""
+    if isinstance(columns, str):
+        raise TypeError(f"columns must be a sequence of names, got the str {columns!r} (one "
+                        f"column: [{columns!r}])")
+    wanted = list(available) if columns is None else list(columns)
     if not wanted:
         raise ValueError(f"no columns selected from {where}; available: {available}")
     missing = [name for name in wanted if name not in available]
@@ -169,6 +174,7 @@ def _check_columns(wanted: list[str], available: list[str], where: str) -> None:
         raise ValueError(f"{where} has no column(s) {missing}; available: {available}")
     if len(set(wanted)) != len(wanted):
         raise ValueError(f"columns {wanted} name a column more than once")
+    return wanted
 
 
 def _checked_index(index: int, n: int) -> int:

@@ -12,7 +12,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from lightning_loaders import Mix, ResumableLoader, StateMismatchError, make_resumable
+from lightning_loaders import (
+    Mix,
+    ResumableLoader,
+    SampleFetchError,
+    StateMismatchError,
+    make_resumable,
+)
 from lightning_loaders.sources.shards import GeneratorSource, RecordFiles, write_records
 from lightning_loaders.testing import (
     check_resume_at_every_step,
@@ -67,6 +73,19 @@ def test_sources_without_random_access_are_refused(tmp_path: Path) -> None:
         Mix([Stream(), torch.arange(3)], [1, 1])
     with pytest.raises(ValueError, match="source 1 .* is empty"):
         Mix([torch.arange(3), []], [1, 1])
+
+
+def _three(shard: int):
+    return iter(range(3))
+
+
+def test_a_source_shorter_than_its_declared_length_says_so() -> None:
+    """It used to surface as a ``StopIteration`` with an empty message."""
+    short = GeneratorSource(_three, [0], lengths=[5])
+    loader = ResumableLoader(Mix([list(range(5)), short], [1, 1]), batch_size=2)
+    with pytest.raises(SampleFetchError, match=r"shard 0 of the GeneratorSource ended before "
+                                               r"sample [34].*fix the source's shard_lengths"):
+        list(loader)
 
 
 @pytest.mark.parametrize(("mode", "expected_len"), [("cycle", 7), ("replacement", 7), ("stop", 9)])

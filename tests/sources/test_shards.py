@@ -117,11 +117,22 @@ def test_sequences_and_generators() -> None:
         (lambda: SequenceSource([]), "at least one"),
         (lambda: RecordFiles([], lengths=None), "at least one file"),
         (lambda: RecordFiles(["/nonexistent/x.rec"]), "no such file"),
+        (lambda: RecordFiles("/nonexistent/x.rec"), r"no such file\(s\): \['/nonexistent"),
+        (lambda: GeneratorSource(range, [1], lengths="scan"), "file sources also take 'scan'"),
+        (lambda: GeneratorSource(5, [1]), "needs a callable fn"),
     ],
 )
 def test_bad_sources_fail_at_construction(make, match) -> None:
-    with pytest.raises((ValueError, FileNotFoundError), match=match):
+    with pytest.raises((ValueError, FileNotFoundError, TypeError), match=match):
         make()
+
+
+def test_one_path_is_one_file(tmp_path: Path) -> None:
+    """Not its characters: a str or a Path is one file, as ParquetSource takes it."""
+    path = _records(tmp_path, [3])[0]
+    assert RecordFiles(str(path)).paths == RecordFiles(path).paths == [str(path)]
+    with pytest.raises(TypeError, match="decode must be callable"):
+        RecordFiles(path, decode=5)
 
 
 def test_fingerprints_change_with_files_and_lengths(tmp_path: Path) -> None:

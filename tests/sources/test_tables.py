@@ -167,6 +167,8 @@ def test_pickles_without_its_views_and_refuses_bad_input() -> None:
         dataset.__getitems__([0, N])
     with pytest.raises(ValueError, match=r"no column\(s\) \['y'\]; available: \['id'"):
         TableDataset(_frame("pyarrow"), columns=["id", "y"])
+    with pytest.raises(TypeError, match=r"got the str 'id' \(one column: \['id'\]\)"):
+        TableDataset(_frame("pyarrow"), columns="id")
     with pytest.raises(TypeError, match="pandas DataFrame or a polars DataFrame"):
         TableDataset([{"id": 1}])
     pl = pytest.importorskip("polars", reason="a polars LazyFrame")

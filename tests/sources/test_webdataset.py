@@ -196,7 +196,7 @@ def test_missing_files_and_bad_lengths_fail_at_construction(shards, tmp_path) ->
         WebDatasetSource([])
     with pytest.raises(ValueError, match="3 entries for 4 shards"):
         WebDatasetSource(shards, lengths=[1, 2, 3])
-    with pytest.raises(ValueError, match="'scan' or None"):
+    with pytest.raises(ValueError, match="file sources also take 'scan'"):
         WebDatasetSource(shards, lengths="count")  # type: ignore[arg-type]
 
 
