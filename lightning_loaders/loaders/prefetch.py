@@ -26,48 +26,42 @@ _SEARCH_DEPTH = 8
 
 
 def find_prefetcher() -> weakref.ref[Any] | None:
-    """The Lightning prefetching data fetcher calling ``iter()`` on us, if any.
-
-    Only frames running a fetcher's own ``__iter__`` are looked into: reading ``f_locals`` of
-    any other frame would pin that frame's locals (a user's loader and its workers, say).
-    """
-    classes = tuple(
-        cls for name in _FETCHER_MODULES
-        if (module := sys.modules.get(name)) is not None
-        and (cls := getattr(module, "_PrefetchDataFetcher", None)) is not None
-    )
-    codes = {
-        method.__code__ for cls in classes for klass in cls.__mro__
-        if (method := klass.__dict__.get("__iter__")) is not None and hasattr(method, "__code__")
-    }
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(_SEARCH_DEPTH):
-        if frame is None:
-            return None
-        if frame.f_code in codes:
-            candidate = frame.f_locals.get("self")
-            if isinstance(candidate, classes):
-                return weakref.ref(candidate)
-        frame = frame.f_back
-    return None
+    """The Lightning prefetching data fetcher calling ``iter()`` on us, if any."""
+    fetcher = _caller(_FETCHER_MODULES, "_PrefetchDataFetcher", "__iter__", _SEARCH_DEPTH)
+    return None if fetcher is None else weakref.ref(fetcher)
 
 
 def fit_epoch() -> int | None:
     """The epoch Lightning's fit loop gives its training loaders next (``set_epoch``), when
     its ``setup_data`` is what calls ``iter()`` on us; else ``None``."""
-    loops = tuple(
-        cls for name in _FIT_LOOP_MODULES
+    loop = _caller(_FIT_LOOP_MODULES, "_FitLoop", "setup_data", 2 * _SEARCH_DEPTH)
+    return None if loop is None else int(loop.epoch_progress.current.processed)
+
+
+def _caller(modules: tuple[str, ...], class_name: str, method: str, depth: int) -> Any:
+    """The instance of ``class_name`` (from the first of ``modules`` imported) whose
+    ``method`` runs in one of the ``depth`` frames calling our caller, if any.
+
+    Only frames running that method are looked into: reading ``f_locals`` of any other frame
+    would pin that frame's locals (a user's loader and its workers, say).
+    """
+    classes = tuple(
+        cls for name in modules
         if (module := sys.modules.get(name)) is not None
-        and (cls := getattr(module, "_FitLoop", None)) is not None
+        and (cls := getattr(module, class_name, None)) is not None
     )
-    codes = {cls.setup_data.__code__ for cls in loops}
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(2 * _SEARCH_DEPTH):
+    codes = {
+        function.__code__ for cls in classes for klass in cls.__mro__
+        if (function := klass.__dict__.get(method)) is not None and hasattr(function, "__code__")
+    }
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(depth):
         if frame is None:
             return None
         if frame.f_code in codes:
-            loop = frame.f_locals.get("self")
-            return int(loop.epoch_progress.current.processed) if isinstance(loop, loops) else None
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, classes):
+                return candidate
         frame = frame.f_back
     return None
 
