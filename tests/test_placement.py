@@ -48,4 +48,5 @@ def test_device_comes_from_the_trainer_strategy() -> None:
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
     assert resolve_device(trainer) == trainer.strategy.root_device == torch.device("cpu")
     assert resolve_device(trainer, "cpu") == torch.device("cpu")
-    assert resolve_device() == torch.device("cpu")
+    alone = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    assert resolve_device() == alone

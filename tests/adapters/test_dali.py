@@ -17,16 +17,19 @@ import psutil
 import pytest
 import torch
 from lightning.pytorch.utilities import CombinedLoader
-from nvidia.dali import fn, pipeline_def
-from nvidia.dali.types import DALIDataType as DType
 from torch.utils.data import RandomSampler
 
-from lightning_loaders import ResumableLoader, StateMismatchError, sample_rng
-from lightning_loaders.adapters.dali import DALILoader, FileSamples
-from lightning_loaders.testing import check_resume_at_every_step, run_epochs, set_epoch
-from tests.conftest import IndexDataset
-from tests.ddp_harness import REPO, run_ddp
-from tests.lightning_harness import (
+pytest.importorskip("nvidia.dali", reason="the pipelines are real DALI ones (nvidia-dali-cuda120)")
+
+from nvidia.dali import fn, pipeline_def  # noqa: E402
+from nvidia.dali.types import DALIDataType as DType  # noqa: E402
+
+from lightning_loaders import ResumableLoader, StateMismatchError, sample_rng  # noqa: E402
+from lightning_loaders.adapters.dali import DALILoader, FileSamples  # noqa: E402
+from lightning_loaders.testing import check_resume_at_every_step, run_epochs, set_epoch  # noqa: E402
+from tests.conftest import IndexDataset  # noqa: E402
+from tests.ddp_harness import REPO, run_ddp  # noqa: E402
+from tests.lightning_harness import (  # noqa: E402
     check_trainer_resume,
     checkpoint_at,
     evaluate_recording,
@@ -34,7 +37,7 @@ from tests.lightning_harness import (
     fit_recording,
     make_trainer,
 )
-from tests.scripts.dali_common import (
+from tests.scripts.dali_common import (  # noqa: E402
     key,
     make_loader,
     read_files,

@@ -201,7 +201,7 @@ class Introspects(torch.utils.data.Dataset[dict[str, Any]]):
                 "backend": "" if info is None else info.backend,
                 "torch_info": get_worker_info() is not None,
                 "thread": threading.current_thread().name,
-                "seed": torch.initial_seed()}
+                "seed": torch.initial_seed() % 2**63}  # collated as int64
 
 
 def test_worker_info_is_the_threads_and_torchs_is_none_under_threads() -> None:

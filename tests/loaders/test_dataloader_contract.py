@@ -3,7 +3,6 @@ where the two can be compared: unbatched and bulk loading, any batch sampler, th
 exception type, an explicit ``DistributedSampler``, a growing dataset, the worker's dataset,
 fixed attributes, ``ResumableLoader[T]`` and ``snapshot_every_n_steps``."""
 
-import dataclasses
 import pickle
 
 import pytest
@@ -297,7 +296,6 @@ def test_get_worker_info_dataset_is_the_users_dataset_in_worker_init_fn() -> Non
 
     assert run(ResumableLoader) == run(DataLoader)
     assert all(value >= 100 for value in run(ResumableLoader))
-    assert dataclasses.is_dataclass(torch.utils.data._utils.worker.WorkerInfo)
 
 
 @pytest.mark.parametrize("batch_size", [3, None])

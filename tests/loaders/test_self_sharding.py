@@ -18,11 +18,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import datasets
 import pytest
 import torch
-import webdataset as wds
-from datasets.distributed import split_dataset_by_node
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -32,13 +29,18 @@ from torch.utils.data import (
     get_worker_info,
 )
 
-from lightning_loaders import GeneratorSource, ResumableLoader
-from lightning_loaders.errors import SampleFetchError
-from lightning_loaders.sources.plain import sole_reader
-from lightning_loaders.testing import check_resume_at_every_step, run_epochs
-from tests.conftest import IndexDataset
-from tests.ddp_harness import REPO, run_ddp
-from tests.real_data_harness import check_real_data_ddp
+datasets = pytest.importorskip("datasets", reason="the Hugging Face streams are read with datasets")
+wds = pytest.importorskip("webdataset", reason="the tar streams are read with webdataset")
+
+from datasets.distributed import split_dataset_by_node  # noqa: E402
+
+from lightning_loaders import GeneratorSource, ResumableLoader  # noqa: E402
+from lightning_loaders.errors import SampleFetchError  # noqa: E402
+from lightning_loaders.sources.plain import sole_reader  # noqa: E402
+from lightning_loaders.testing import check_resume_at_every_step, run_epochs  # noqa: E402
+from tests.conftest import IndexDataset  # noqa: E402
+from tests.ddp_harness import REPO, run_ddp  # noqa: E402
+from tests.real_data_harness import check_real_data_ddp  # noqa: E402
 
 TOTAL = 40
 BATCH = 4
