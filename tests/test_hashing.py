@@ -37,3 +37,10 @@ def test_a_seed_the_hashes_cannot_keep_apart_is_refused(seed, error, match) -> N
         with pytest.raises(error, match=match):
             build()
     assert checked_seed(2**64 - 1) == 2**64 - 1 and checked_seed(-(2**63)) == -(2**63)
+
+
+def test_a_generator_that_is_no_torch_generator_is_refused_by_name() -> None:
+    """Its initial seed keys the order; ``generator=5`` used to fail in an ``AttributeError``
+    that named nothing."""
+    with pytest.raises(TypeError, match="generator must be a torch.Generator .* got int"):
+        ResumableLoader(list(range(4)), shuffle=True, generator=5)

@@ -160,7 +160,8 @@ class MixOrder:
                              f"{self.lengths.tolist()}")
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
         self.schedule, self.mode, self.seed = schedule, mode, seed
-        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+        if batch_size is not None and (not isinstance(batch_size, int)
+                                       or isinstance(batch_size, bool) or batch_size < 1):
             raise ValueError(f"batch_size must be an int >= 1 (samples per global step), got "
                              f"{batch_size!r}")
         if batch_size is None and not schedule.constant:

@@ -329,6 +329,9 @@ def resolve_seed(seed: int | None, generator: torch.Generator | None = None) -> 
     if seed is not None:
         return checked_seed(seed)
     if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator (its initial seed keys the "
+                            f"order), got {type(generator).__name__}")
         return int(generator.initial_seed())
     return int(os.environ.get("PL_GLOBAL_SEED", 0))
 

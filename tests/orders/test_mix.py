@@ -159,6 +159,7 @@ def test_a_callable_schedule_is_evaluated_per_step() -> None:
     ({"weights": [1, 1]}, "one weight per source"),
     ({"weights": [1, -1, 1]}, "finite and >= 0"),
     ({"batch_size": None}, "need batch_size"),
+    ({"batch_size": True}, "batch_size must be an int >= 1"),
     ({"mode": "stop"}, "constant weights"),
     ({"mode": "stop", "weights": [1, 1, 1], "batch_size": None}, "drop samples_per_epoch"),
     ({"mode": "first"}, "mode must be one of"),
