@@ -166,7 +166,11 @@ class ResumableIterableLoader(ResumableLoader):
             unbatched = _Unbatched(unbatched_conversion(options))
             options = replace(options, batch_size=1, collate_fn=unbatched)
         self.last_batch: LastBatch = resolve_last_batch(options.last_batch, options.drop_last)
-        self._take_options(dataset, options, drop_last=self.last_batch == "drop")
+        plain = None if isinstance(dataset, ShardedSource) else (
+            "a plain IterableDataset's stream is opened under the global RNGs and the "
+            "environment (RANK, WORLD_SIZE), which threads share with the training loop")
+        self._take_options(dataset, options, drop_last=self.last_batch == "drop",
+                           process_wide=plain)
         shuffle, shuffle_buffer = options.shuffle, options.shuffle_buffer
         if options.on_error != "raise":
             raise ValueError(f"on_error={options.on_error!r} is not supported for iterable "

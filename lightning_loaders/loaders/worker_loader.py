@@ -68,10 +68,13 @@ class WorkerLoader(DeliveryCore):
                              f"{type(self).__name__} is initialized: build a new loader")
         super().__setattr__(name, value)
 
-    def _take_options(self, dataset: Any, options: LoaderOptions, *, drop_last: bool) -> None:
+    def _take_options(self, dataset: Any, options: LoaderOptions, *, drop_last: bool,
+                      process_wide: str | None = None) -> None:
         """Check and keep ``DataLoader``'s arguments (as its attributes) and the worker
         options; the dataset, collate_fn and worker_init_fn must pickle for workers.
-        ``drop_last`` is what the resolved last-batch policy says."""
+        ``drop_last`` is what the resolved last-batch policy says; ``process_wide`` names what
+        the workers set up in state shared by the whole process (``backend="auto"`` then
+        starts on processes, where each worker has its own)."""
         o = options
         check_loader_arguments(
             batch_size=o.batch_size, num_workers=o.num_workers, timeout=o.timeout,
@@ -96,6 +99,11 @@ class WorkerLoader(DeliveryCore):
                     raise
                 # auto cannot move what does not pickle
                 self._auto = AutoChoice(max(1, num_workers), backend="thread")
+            if self._auto is None and o.backend == "auto":
+                shared = _shared_under_threads(o.worker_init_fn, process_wide)
+                if shared is not None:
+                    _log.info("backend='auto' chose process workers: %s", shared)
+                    self._auto = AutoChoice(max(1, num_workers), backend="process")
         self.dataset = dataset
         self.batch_size: int = o.batch_size
         self.num_workers = num_workers
@@ -321,6 +329,17 @@ class _WorkerStart:
                 raise error from exc
             error.__cause__ = exc
             fetcher.init_failure = Failed(error)  # every batch of this worker reports it
+
+
+def _shared_under_threads(worker_init_fn: Callable[[int], None] | None,
+                          process_wide: str | None) -> str | None:
+    """Why threads would not keep what each worker process has of its own (``None``: they
+    would): state a ``worker_init_fn`` sets on the dataset (one object for every thread), or
+    ``process_wide``, what the workers set up in state the whole process shares."""
+    if worker_init_fn is not None:
+        return ("worker_init_fn may set per-worker state on the dataset, which threads share "
+                "(one object for all)")
+    return process_wide
 
 
 def _publish_user_dataset(torch_info: Any, dataset: Any) -> None:

@@ -460,3 +460,39 @@ def test_a_plain_stream_that_cannot_be_copied_per_thread_is_refused_with_the_fix
     loader.close()
     processes = ResumableLoader(_Locked(), batch_size=2, num_workers=2)  # each has its copy
     assert sorted(i for batch in processes for i in batch.tolist()) == list(range(8))
+
+
+class _Tagged(torch.utils.data.Dataset[int]):
+    """``worker_init_fn`` tags each worker's dataset: per-worker state, as an open file is."""
+
+    worker = -1
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, index: int) -> int:
+        time.sleep(0.001)
+        return self.worker
+
+
+def _tag(worker_id: int) -> None:
+    worker = worker_info()
+    assert worker is not None
+    worker.dataset.worker = worker_id
+
+
+def test_auto_starts_on_processes_where_threads_would_share_what_workers_own() -> None:
+    """Threads share one dataset (state a ``worker_init_fn`` sets there) and the process's
+    RNGs and environment (a plain stream is opened under them); ``auto`` must not change what
+    the workers see, so it takes processes for these."""
+    tags = {}
+    for backend in ("process", "thread", "auto"):
+        loader = ResumableLoader(_Tagged(), batch_size=2, num_workers=2, backend=backend,
+                                 worker_init_fn=_tag)
+        tags[backend] = sorted({tag for batch in loader for tag in batch.tolist()})
+        assert loader.backend_in_use == ("thread" if backend == "thread" else "process")
+        loader.close()
+    assert tags["auto"] == tags["process"] == [0, 1] and len(tags["thread"]) == 1
+    plain = ResumableLoader(_Locked(), batch_size=2, num_workers=2, backend="auto")
+    assert plain.backend_in_use == "process"
+    assert sorted(i for batch in plain for i in batch.tolist()) == list(range(8))
