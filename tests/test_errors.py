@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 
 import numpy as np
 import pytest
@@ -111,6 +112,38 @@ def test_an_unpicklable_exception_from_a_worker_is_still_named_with_its_tracebac
     assert info.value.__cause__ is None and info.value.cause_type == "_Unpicklable"
     assert "_Unpicklable in sample index 2" in str(info.value)
     assert "locked resource" in info.value.worker_traceback
+
+
+class _Holding(Exception):
+    """An error that keeps what it failed on: an attribute that does not pickle."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.connection = threading.Lock()
+
+
+class RaisesHolding(IndexDataset):
+    def __getitem__(self, index: int):
+        if index == 3:
+            raise _Holding("HTTP 503")
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("backend", ["process", "thread"])
+def test_an_error_holding_what_does_not_pickle_keeps_its_type_and_sample(backend: str) -> None:
+    """A process sends it without that attribute (it used to send only a ``TypeError`` about
+    pickling); a thread sends nothing, so the original stays whole, its cause too."""
+    with ResumableLoader(RaisesHolding(6), batch_size=2, num_workers=2,
+                         backend=backend) as loader:
+        with pytest.raises(_Holding) as info:
+            list(loader)
+    error = info.value
+    assert isinstance(error, SampleFetchError) and error.index == 3 and error.worker is not None
+    assert "_Holding in sample index 3" in str(error) and "HTTP 503" in str(error)
+    if backend == "thread":
+        assert isinstance(error.__cause__, _Holding) and error.connection is not None
+    else:
+        assert not hasattr(error, "connection")
 
 
 def _bad_collate(samples):

@@ -48,7 +48,8 @@ class Skipped(NamedTuple):
 
 class Failed:
     """An error raised by user code in a worker, captured so it crosses the process boundary
-    with its attributes (torch's own wrapper keeps only the type and the text)."""
+    with its attributes (torch's own wrapper keeps only the type and the text). What does not
+    pickle is dropped only when it crosses (a thread's error keeps its type and cause)."""
 
     def __init__(self, error: SampleFetchError | WorkerInitError) -> None:
         cause = error.__cause__
@@ -56,17 +57,34 @@ class Failed:
             error.worker_traceback = "".join(traceback.format_exception(cause))
             error.args = (f"{error.args[0]}\n\nOriginal traceback in worker {error.worker} (pid "
                           f"{error.pid}):\n{error.worker_traceback}",)
-        if not _picklable(error):  # a combined type whose original pickles badly
-            plain = SampleFetchError(*error.args) if isinstance(error, SampleFetchError) else None
-            if plain is not None:
-                plain.__dict__.update(error.__dict__)
-                error = plain
         self.error = error
-        self.cause = cause if _picklable(cause) else None
+        self.cause = cause
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"error": _crossing(self.error),
+                "cause": self.cause if _picklable(self.cause) else None}
 
     def reraise(self) -> NoReturn:
         """Raise the error in the main process, chained to the original exception."""
         raise self.error from self.cause
+
+
+def _crossing(error: SampleFetchError | WorkerInitError) -> SampleFetchError | WorkerInitError:
+    """``error`` as it can cross to the main process: whole where it pickles; else with only
+    the attributes that pickle (the sample index, worker, epoch and message always do), as
+    its own combined type, or as the plain loader error where that type does not unpickle
+    (an original whose ``__init__`` takes more than the message)."""
+    if _picklable(error):
+        return error
+    kept = {name: value for name, value in error.__dict__.items() if _picklable(value)}
+    base = SampleFetchError if isinstance(error, SampleFetchError) else WorkerInitError
+    for kind in (type(error), base):
+        candidate = kind.__new__(kind, *error.args)
+        candidate.args = error.args
+        candidate.__dict__.update(kept)
+        if _picklable(candidate):
+            return candidate
+    return error
 
 
 def _picklable(value: Any) -> bool:
