@@ -1,7 +1,8 @@
 """What a fetch sends to the main process instead of a plain batch when user code failed.
 
 ``Failed`` carries an error raised in a worker (re-raised by the loader in the main process,
-with the worker's traceback as text and the original exception as its cause); ``Skipped``
+with the worker's traceback as text and the original exception as its cause; ``Raised``, one
+that the pool itself re-raises); ``Skipped``
 carries a batch fetched with ``on_error="skip"`` together with the samples left out of it. The
 loader unwraps both on delivery, so skip counts and the cursor move together.
 """
@@ -9,13 +10,16 @@ loader unwraps both on delivery, so skip counts and the cursor move together.
 from __future__ import annotations
 
 import pickle
+import sys
 import traceback
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, NoReturn
 
+from torch.utils.data import _utils as torch_data_utils
+
 from lightning_loaders.errors import SampleFetchError, WorkerInitError
 
-__all__ = ["ON_ERROR", "Failed", "OnError", "SkippedSample", "Skipped"]
+__all__ = ["ON_ERROR", "Failed", "OnError", "Raised", "SkippedSample", "Skipped", "captured"]
 
 OnError = Literal["raise", "skip"]
 ON_ERROR: tuple[str, ...] = ("raise", "skip")
@@ -67,6 +71,21 @@ class Failed:
     def reraise(self) -> NoReturn:
         """Raise the error in the main process, chained to the original exception."""
         raise self.error from self.cause
+
+
+class Raised(Failed):
+    """A loader error that a fetcher raised rather than returned (a shard reader's, or a
+    ``worker_init_fn``'s in a worker without a batch fetcher): the pool re-raises it with the
+    batch, worker and cause it names, where torch's ``ExceptionWrapper`` keeps only text."""
+
+
+def captured(where: str) -> Raised | torch_data_utils.ExceptionWrapper:
+    """The exception being handled in a worker, to send to the caller: a loader error whole
+    (``Raised``), any other as torch's ``ExceptionWrapper`` (``where`` names the worker)."""
+    error = sys.exc_info()[1]
+    if isinstance(error, SampleFetchError | WorkerInitError):
+        return Raised(error)
+    return torch_data_utils.ExceptionWrapper(where=where)
 
 
 def _crossing(error: SampleFetchError | WorkerInitError) -> SampleFetchError | WorkerInitError:

@@ -28,6 +28,8 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch.utils.data import _utils as torch_data_utils
 
+from lightning_loaders.engines.faults import Raised
+
 __all__ = ["POLL_S", "Arrival", "InProcess", "PoolIterator", "WorkerLost", "WorkerStalled",
            "pin_target"]
 
@@ -131,7 +133,7 @@ class PoolIterator(Iterator[Any]):
                 self._received += 1
             self._send()  # keep the workers busy while the caller uses this result
             data = arrival.data
-            if isinstance(data, torch_data_utils.ExceptionWrapper):
+            if isinstance(data, torch_data_utils.ExceptionWrapper | Raised):
                 data.reraise()
             return data
 

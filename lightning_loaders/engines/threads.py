@@ -39,6 +39,7 @@ from torch.utils.data import _utils as torch_data_utils
 
 from lightning_loaders.context import set_samples, set_worker
 from lightning_loaders.engines.autotune import available_cpus
+from lightning_loaders.engines.faults import Raised, captured
 from lightning_loaders.engines.pool import (
     Arrival,
     PoolIterator,
@@ -168,7 +169,7 @@ class AutoChoice:
         if self.backend is not None:
             return
         (self.serial if serial else self.concurrent).append(wall_s)
-        if serial and not isinstance(result, torch_data_utils.ExceptionWrapper):
+        if serial and not isinstance(result, torch_data_utils.ExceptionWrapper | Raised):
             self.transit.append(transit_s(result))
         if serial and len(self.serial) == self.probe:  # the concurrent phase starts
             self._phase_start = (time.perf_counter(), time.process_time())
@@ -358,7 +359,7 @@ def _serve(me: ThreadWorker, inbox: queue.SimpleQueue[_Task | None],
             try:
                 init(me.id)
             except BaseException:
-                failure = torch_data_utils.ExceptionWrapper(where=where)
+                failure = captured(where)
         fetcher = me.dataset
         while (task := inbox.get()) is not None:
             start = time.perf_counter()
@@ -369,7 +370,7 @@ def _serve(me: ThreadWorker, inbox: queue.SimpleQueue[_Task | None],
                     if pin is not None:
                         data = torch_data_utils.pin_memory.pin_memory(data, pin[0])
                 except BaseException:
-                    data = torch_data_utils.ExceptionWrapper(where=where)
+                    data = captured(where)
             outbox.put(_Result(task.generation, task.number, data,
                                time.perf_counter() - start))
             del data, task

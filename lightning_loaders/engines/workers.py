@@ -45,6 +45,7 @@ import torch
 from torch.utils.data import _utils as torch_data_utils
 from torch.utils.data._utils import worker as torch_worker
 
+from lightning_loaders.engines.faults import captured
 from lightning_loaders.engines.pool import (
     Arrival,
     PoolIterator,
@@ -332,7 +333,7 @@ def _serve(setup: _Setup, fetcher: Any, packer: RingPacker | None,
                 try:
                     data = fetcher[request]
                 except Exception:
-                    data = torch_data_utils.ExceptionWrapper(where=where)
+                    data = captured(where)
             if packer is not None:  # also an error's: it ends the slot collated into
                 data = packer(data)
             try:
@@ -373,7 +374,7 @@ def _set_up(setup: _Setup, fetcher: Any, init: Callable[[int], None] | None
     try:
         init(w)
     except Exception:
-        return torch_data_utils.ExceptionWrapper(where=f"in DataLoader worker process {w}")
+        return captured(f"in DataLoader worker process {w}")
     return None
 
 

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_loaders import ResumableLoader
-from lightning_loaders.errors import WorkerCrashedError
+from lightning_loaders.errors import SampleFetchError, WorkerCrashedError
 from lightning_loaders.loaders.convert import make_resumable
 from lightning_loaders.loaders.iterable import ResumableIterableLoader
 from lightning_loaders.loaders.map_style import MapStyleLoader
@@ -386,20 +386,36 @@ class _Broken(SequenceSource):
             yield sample
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_errors_name_the_shard_slot_and_epoch(workers) -> None:
-    loader = ResumableLoader(_Lying([[1, 2], [3]]), batch_size=2, num_workers=workers)
+def _fails_to_start(worker_id: int) -> None:
+    raise FileNotFoundError(2, "no such file", "index")
+
+
+@pytest.mark.parametrize(("workers", "backend"), [(0, "process"), (2, "process"), (2, "thread")])
+def test_errors_name_the_shard_slot_and_epoch(workers: int, backend: str) -> None:
+    """From a worker too, with its fields and cause (they used to arrive as text alone)."""
+    loader = ResumableLoader(_Lying([[1, 2], [3]]), batch_size=2, num_workers=workers,
+                             backend=backend)
     with pytest.raises(Exception, match=r"shard \d ended at sample \d, but its declared length"):
         list(loader)
     loader.close()
     broken = ResumableLoader(_Broken([[0, 1], list(range(10, 20))]), batch_size=2,
-                             num_workers=workers)
-    where = (r"batch 2 of slot 0 \(shard 1, reading from sample 2\) of epoch 0" if workers == 0
-             else r"epoch 0")
-    with pytest.raises(Exception, match=rf"KeyError.*{where}") as info:
+                             num_workers=workers, backend=backend)
+    with pytest.raises(KeyError, match=r"KeyError in batch \d of slot \d \(shard 1, reading "
+                                        r"from sample \d\) of epoch 0, in (the main process|"
+                                        r"worker \d \(pid \d+\)) on rank 0: 'bad record'") as info:
         list(broken)
-    assert "bad record" in str(info.value)
+    error = info.value
+    assert isinstance(error, SampleFetchError) and isinstance(error.__cause__, KeyError)
+    assert (error.epoch, error.rank, error.cause_type) == (0, 0, "KeyError")
+    assert (error.worker is None) == (workers == 0)
     broken.close()
+    if workers:
+        starting = ResumableLoader(_Broken([[0, 1]]), batch_size=2, num_workers=workers,
+                                   backend=backend, worker_init_fn=_fails_to_start)
+        with pytest.raises(FileNotFoundError, match="worker_init_fn of worker") as failed:
+            list(starting)
+        assert failed.value.errno == 2 and failed.value.rank == 0
+        assert failed.value.worker in range(workers)
 
 
 class _KillsItsWorkerOnce(SequenceSource):
