@@ -45,7 +45,7 @@ import torch
 from torch.utils.data import _utils as torch_data_utils
 from torch.utils.data._utils import worker as torch_worker
 
-from lightning_loaders.engines.faults import captured
+from lightning_loaders.engines.faults import Raised, captured
 from lightning_loaders.engines.pool import (
     Arrival,
     PoolIterator,
@@ -356,7 +356,7 @@ def _for_batch(request: Any) -> str:
 
 
 def _set_up(setup: _Setup, fetcher: Any, init: Callable[[int], None] | None
-            ) -> torch_data_utils.ExceptionWrapper | None:
+            ) -> Raised | torch_data_utils.ExceptionWrapper | None:
     """Seed, publish torch's ``WorkerInfo`` and run ``init`` as torch's workers do; the error
     ``init`` raised, to answer every request with."""
     torch.multiprocessing._set_thread_name("pt_data_worker")  # as top and ps show torch's
