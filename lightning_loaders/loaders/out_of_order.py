@@ -95,6 +95,11 @@ class DeliveredWindow:
         """Keep a restored ``[frontier, ahead]`` until the epoch it belongs to reopens."""
         self._restored = (epoch, int(entry[0]), frozenset(int(b) for b in entry[1]))
 
+    def pending_ahead(self) -> int:
+        """How many batches the restored state had delivered past its frontier: they are not
+        delivered again (0 without a restored state)."""
+        return 0 if self._restored is None else len(self._restored[2])
+
     def pending(self) -> list[Any] | None:
         """The restored ``[frontier, ahead]`` not yet applied, if any."""
         if self._restored is None:

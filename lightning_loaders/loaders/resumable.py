@@ -19,6 +19,7 @@ from torch.utils.data import BatchSampler, IterableDataset, Sampler
 from lightning_loaders.engines.autotune import AutotuneConfig
 from lightning_loaders.engines.faults import OnError
 from lightning_loaders.loaders.options import LoaderOptions
+from lightning_loaders.loaders.out_of_order import DeliveredWindow
 from lightning_loaders.loaders.worker_loader import WorkerLoader
 from lightning_loaders.orders.base import SampleOrder
 from lightning_loaders.schedule.map_plan import LastBatch
@@ -174,5 +175,15 @@ class ResumableLoader(WorkerLoader):
         return GenericAlias(cls, item)
 
     def _configure(self, dataset: Any, options: LoaderOptions) -> None:
-        """Check ``options`` for this kind of dataset and build the schedule and engine."""
+        """Check ``options`` for this kind of dataset and build the schedule and engine (and
+        ``_window``)."""
         raise NotImplementedError
+
+    _window: DeliveredWindow
+    """The batches of the epoch delivered past the frontier (``in_order=False``)."""
+
+    def resume_batch(self) -> int | None:
+        """``DeliveryCore.resume_batch``, past the batches an out-of-order state had
+        delivered beyond its frontier: they are not delivered again."""
+        batch = super().resume_batch()
+        return None if batch is None else batch + self._window.pending_ahead()

@@ -87,8 +87,10 @@ def test_resume_from_every_step_delivers_exactly_the_rest(tmp_path: Path) -> Non
         assert all(b > frontier for b in ahead)
         resumed = _make(gate)
         resumed.load_state_dict(state)
+        counted = resumed.resume_batch()  # what ExactResume tells Lightning
         rest = _run(resumed, gate) if step < len(states) - 1 else []
         assert Counter(first[:step + 1]) + Counter(rest) == Counter(_plan(24)), step
+        assert counted == len(_plan(24)) - len(rest), step  # the batches ahead count as done
     assert any(state["parts"]["window"]["ranks"][0][1] for state in states)  # some were ahead
 
 
@@ -342,9 +344,12 @@ def _check_resumes(make, gate: Path, states: list, full: list, plans: list) -> N
     for epoch, count, state in states:
         resumed = make()
         resumed.load_state_dict(state)
+        counted = resumed.resume_batch()  # what ExactResume tells Lightning
         start = epoch + 1 if count == len(full[epoch]) else epoch
         rest = range(start, len(plans))
         after = dict(zip(rest, _epochs(resumed, gate, rest), strict=True))
+        if start == epoch:  # the batches delivered ahead of the frontier count as done
+            assert counted == len(plans[epoch]) - len(after[epoch]), (epoch, count)
         for e, plan in enumerate(plans):
             before = full[e] if e < epoch else full[e][:count] if e == epoch else []
             assert Counter(before) + Counter(after.get(e, [])) == Counter(plan), (epoch, count)
