@@ -41,7 +41,8 @@ def expose_batch_indices(loader: MapStyleLoader) -> MapStyleLoader:
     the dataset indices of each delivered batch (``BasePredictionWriter``'s ``batch_indices``).
     """
     # Past the guard that refuses, as DataLoader does, user changes to built loaders.
-    object.__setattr__(loader, "batch_sampler", _DeliveredIndices(loader.schedule))
+    object.__setattr__(loader, "batch_sampler",
+                       _DeliveredIndices(loader.schedule, loader.delivery_order()))
     return loader
 
 
@@ -55,12 +56,16 @@ def _batch(schedule: MapSchedule, epoch: int, world_size: int, rank: int,
 
 
 class _SeenBatches(Sequence[list[int]]):
-    """The indices of the batches delivered so far in the current epoch, computed on access."""
+    """The indices of the batches delivered so far in the current epoch, computed on access;
+    ``order``: the planned batch of each delivery (``None``: delivered in plan order)."""
 
-    def __init__(self, schedule: MapSchedule) -> None:
+    def __init__(self, schedule: MapSchedule, order: list[int] | None) -> None:
         self._schedule = schedule
+        self._order = order
 
     def __len__(self) -> int:
+        if self._order is not None:
+            return len(self._order)
         return self._schedule.batches if self._schedule.epoch is not None else 0
 
     @overload
@@ -77,15 +82,17 @@ class _SeenBatches(Sequence[list[int]]):
         schedule = self._schedule
         rank, world_size = schedule.placement
         assert schedule.epoch is not None
-        return _batch(schedule, schedule.epoch, world_size, rank, batch % len(self)).tolist()
+        batch %= len(self)
+        planned = batch if self._order is None else self._order[batch]
+        return _batch(schedule, schedule.epoch, world_size, rank, planned).tolist()
 
 
 class _DeliveredIndices(_IndexBatchSamplerWrapper):
     """What Lightning's prediction loop looks for on ``loader.batch_sampler``; it only reads
     ``seen_batch_indices``. (The base initialiser wraps a real batch sampler: not called.)"""
 
-    def __init__(self, schedule: MapSchedule) -> None:
-        self.seen_batch_indices = _SeenBatches(schedule)  # type: ignore[assignment]
+    def __init__(self, schedule: MapSchedule, order: list[int] | None) -> None:
+        self.seen_batch_indices = _SeenBatches(schedule, order)  # type: ignore[assignment]
         self._iterator = None
 
     def __len__(self) -> int:

@@ -196,6 +196,12 @@ class MapStyleLoader(ResumableLoader):
             raise StateMismatchError(f"corrupted loader state: {exc}") from exc
         return rank_entry(part, rank, world_size, int(state["batches"]), end)
 
+    def delivery_order(self) -> list[int] | None:
+        """With ``in_order=False``: the plan numbers of the epoch's batches in the order they
+        were delivered, recorded from this call on (a live list, cleared at each epoch start).
+        ``None`` in order, where the ``i``-th batch delivered is planned batch ``i``."""
+        return None if self.in_order else self._window.record_order()
+
     def state_dict(self) -> dict[str, Any]:
         """The cursor (see ``DeliveryCore.state_dict``); with ``in_order=False`` (or in the
         epoch of a loaded out-of-order state), also every rank's batches delivered past its

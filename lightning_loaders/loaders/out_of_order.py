@@ -56,12 +56,23 @@ class DeliveredWindow:
         self.ahead: set[int] = set()
         self._recent: deque[int] = deque(maxlen=_RECENT)  # delivery order, newest last
         self._restored: tuple[int, int, frozenset[int]] | None = None
+        self.order: list[int] | None = None
+        """The epoch's batches in delivery order, once ``record_order()`` asked for them."""
+
+    def record_order(self) -> list[int]:
+        """Keep the epoch's batches in delivery order from now on (``order``, cleared at each
+        epoch start), for a consumer that knows batches by their delivery count."""
+        if self.order is None:
+            self.order = []
+        return self.order
 
     def reset(self) -> None:
         """Forget the window (a new epoch, or a state without one loaded)."""
         self._restored = None
         self.ahead.clear()
         self._recent.clear()
+        if self.order is not None:
+            self.order.clear()
 
     def due(self, frontier: int) -> int:
         """The first planned batch from ``frontier`` not delivered yet."""
@@ -74,6 +85,8 @@ class DeliveredWindow:
         """Count ``batch`` handed to the caller: the frontier moves over every batch
         delivered in a row, a batch past it joins the ahead set."""
         self._recent.append(batch)
+        if self.order is not None:
+            self.order.append(batch)
         if batch != schedule.batches:
             self.ahead.add(batch)
             return

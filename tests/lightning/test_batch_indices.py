@@ -1,3 +1,5 @@
+import time
+
 import pytest
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 
@@ -57,3 +59,26 @@ def test_lightning_prediction_writers_see_each_delivered_batch() -> None:
     assert sampler.seen_batch_indices[-1] == delivered[-1]
     with pytest.raises(IndexError, match="not delivered yet"):
         sampler.seen_batch_indices[2]
+
+
+class _SlowFirst(IndexDataset):
+    """Sample 0 takes a while: with ``in_order=False`` its batch arrives after later ones."""
+
+    def __getitem__(self, index: int):
+        if index == 0:
+            time.sleep(0.3)
+        return super().__getitem__(index)
+
+
+def test_out_of_order_prediction_writers_see_the_indices_of_the_batch_delivered() -> None:
+    """The ``i``-th batch delivered is not planned batch ``i``: its indices were another
+    batch's (and past the frontier, an ``IndexError``)."""
+    loader = expose_batch_indices(ResumableLoader(_SlowFirst(8), batch_size=2, num_workers=2,
+                                                  in_order=False))
+    seen = loader.batch_sampler.seen_batch_indices
+    delivered = []
+    for batch in loader:
+        delivered.append(indices(batch))
+        assert seen[len(delivered) - 1] == delivered[-1]
+    assert list(seen) == delivered and delivered[0] != [0, 1]
+    assert sorted(i for batch in delivered for i in batch) == list(range(8))
