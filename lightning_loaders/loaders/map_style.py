@@ -221,9 +221,10 @@ class MapStyleLoader(ResumableLoader):
             entry[0] = max(entry[0], state["offset_batches"])
         state["batches"] = entry[0]
         ranks = gather_by_rank(entry, rank, world_size)
-        # Each rank's frontier replaces the cursor, so the schedule's audit of its own cursor
-        # no longer describes it: an out-of-order state is restored unaudited.
-        parts = {name: part for name, part in state[PARTS].items() if name != AUDIT}
+        parts = dict(state[PARTS])
+        if not (self._restored or schedule.epoch is None):
+            # each rank's frontier replaces the cursor: the audit names the one it describes
+            parts[AUDIT] = schedule.audit_at(entry[0])
         state[PARTS] = {**parts, **self._parts(held), WINDOW: {"ranks": ranks}}
         return state
 

@@ -20,7 +20,9 @@ and since every index of a shuffled order depends on the seed and the epoch, one
 tells another order apart with near certainty. Under DDP every rank restores rank 0's state, so
 the digest names the rank and world size it was taken on and is predicted for those.
 
-A state saved before the loader delivered anything has no audit part and is not audited.
+A state saved before the loader delivered anything has no audit part and is not audited. An
+out-of-order state (``in_order=False``) replaces the cursor by each rank's frontier; its audit
+part then also names the cursor it describes (``batches``: the saving rank's frontier).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ __all__ = ["AUDIT", "audit_part", "batch_digest", "check_audit", "saved_digest"]
 AUDIT = "audit"  # the state's part
 _RANK = "rank"
 _DIGEST = "digest"
+_BATCHES = "batches"
 
 
 def batch_digest(epoch: int, batch: int, rank: int, world_size: int,
@@ -52,9 +55,14 @@ def batch_digest(epoch: int, batch: int, rank: int, world_size: int,
     return hasher.hexdigest()
 
 
-def audit_part(rank: int, digest: str) -> dict[str, Any]:
-    """The part saved with a cursor: the rank it was taken on and the batch digest."""
-    return {_RANK: rank, _DIGEST: digest}
+def audit_part(rank: int, digest: str, batches: int | None = None) -> dict[str, Any]:
+    """The part saved with a cursor: the rank it was taken on and the batch digest; ``batches``
+    where the digest describes another cursor than the state's own (an out-of-order state,
+    whose ``batches`` is each rank's own frontier, audits the saving rank's)."""
+    part: dict[str, Any] = {_RANK: rank, _DIGEST: digest}
+    if batches is not None:
+        part[_BATCHES] = batches
+    return part
 
 
 def saved_digest(state: Mapping[str, Any]) -> str | None:
@@ -66,9 +74,10 @@ def saved_digest(state: Mapping[str, Any]) -> str | None:
 
 
 def check_audit(part: Any, epoch: int, batches: int, world_size: int,
-                predict: Callable[[int], str]) -> None:
-    """Compare a saved audit ``part`` with ``predict(rank)``, this loader's digest for the
-    saved cursor on the rank it was saved on; refuse a mismatch, naming both digests."""
+                predict: Callable[[int, int], str]) -> None:
+    """Compare a saved audit ``part`` with ``predict(rank, batches)``, this loader's digest for
+    the saved cursor (the part's own, else ``batches``) on the rank it was saved on; refuse a
+    mismatch, naming both digests."""
     if not isinstance(part, Mapping) or not isinstance(part.get(_DIGEST), str):
         raise StateMismatchError(f"corrupted loader state: parts[{AUDIT!r}]={part!r} is not "
                                  f"{{{_RANK!r}: int, {_DIGEST!r}: str}}")
@@ -76,7 +85,11 @@ def check_audit(part: Any, epoch: int, batches: int, world_size: int,
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
         raise StateMismatchError(f"corrupted loader state: parts[{AUDIT!r}][{_RANK!r}]={rank!r} "
                                  f"is not a rank of world size {world_size}")
-    saved, predicted = part[_DIGEST], predict(rank)
+    batches = part.get(_BATCHES, batches)
+    if not isinstance(batches, int) or isinstance(batches, bool) or batches < 0:
+        raise StateMismatchError(f"corrupted loader state: parts[{AUDIT!r}][{_BATCHES!r}]="
+                                 f"{batches!r} is not a batch count")
+    saved, predicted = part[_DIGEST], predict(rank, batches)
     if saved != predicted:
         raise StateMismatchError(
             f"resume audit failed at epoch {epoch}, after batch {batches} (rank {rank} of "

@@ -191,13 +191,24 @@ class MapSchedule(EpochOwner):
             assert self.plan is not None
             offset = 0 if self.last_batch == "rollover" else self.plan.start
             batches = max(self.batches - held, self._offset_batches)
-            rank, world_size = self.placement
-            digest = self._digest(self.epoch, batches, self._offset_batches, offset, world_size,
-                                  rank)
-            state = LoaderState(KIND, self.epoch, batches, world_size, offset,
+            state = LoaderState(KIND, self.epoch, batches, self.placement[1], offset,
                                 self._offset_batches, self._owner, fingerprint=self.fingerprint(),
-                                parts={**self._order_state(), AUDIT: audit_part(rank, digest)})
+                                parts={**self._order_state(),
+                                       AUDIT: audit_part(self.placement[0],
+                                                         self._cursor_digest(batches))})
         return state.to_dict()
+
+    def audit_at(self, batches: int) -> dict[str, Any]:
+        """The audit part of the cursor at ``batches`` of the epoch being delivered, on this
+        rank, naming that cursor (an out-of-order state's frontier, not its ``batches``)."""
+        return audit_part(self.placement[0], self._cursor_digest(batches), batches)
+
+    def _cursor_digest(self, batches: int) -> str:
+        """The audit digest of the cursor at ``batches`` of the epoch being delivered here."""
+        assert self.plan is not None and self.epoch is not None
+        offset = 0 if self.last_batch == "rollover" else self.plan.start
+        rank, world_size = self.placement
+        return self._digest(self.epoch, batches, self._offset_batches, offset, world_size, rank)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a cursor; the next ``begin_epoch`` continues exactly after its last batch."""
@@ -209,10 +220,10 @@ class MapSchedule(EpochOwner):
             if AUDIT in state.parts:
                 self._audited = None  # the order's restored state may draw otherwise
                 check_audit(state.parts[AUDIT], state.epoch, state.batches, state.world_size,
-                            lambda rank: self._digest(state.epoch, state.batches,
-                                                      state.offset_batches,
-                                                      state.offset_position, state.world_size,
-                                                      rank))
+                            lambda rank, batches: self._digest(state.epoch, batches,
+                                                               state.offset_batches,
+                                                               state.offset_position,
+                                                               state.world_size, rank))
             self._pending = state
 
     @contextmanager

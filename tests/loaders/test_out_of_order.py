@@ -162,6 +162,36 @@ def test_a_window_with_batches_ahead_refuses_another_world_size(tmp_path: Path) 
         _make(gate).load_state_dict(corrupted)
 
 
+class _Fixed(torch.utils.data.Sampler[int]):
+    """A user sampler with an order of its own, which the fingerprint does not describe."""
+
+    def __init__(self, order: list[int]) -> None:
+        self.order = order
+
+    def __iter__(self):
+        return iter(self.order)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
+def test_an_out_of_order_state_is_audited_at_its_frontier(tmp_path: Path) -> None:
+    """A state from another order is refused as in order (it used to be restored unaudited:
+    6 of 24 samples twice, 6 never); the audit names the frontier, so it also holds when
+    batches were past it, and its own order's state resumes."""
+    gate = tmp_path / "gate"
+    states: list = []
+    _run(_make(gate, sampler=_Fixed(list(range(24)))), gate, states)
+    ahead = next(s for s in states if s["parts"]["window"]["ranks"][0][1])
+    assert ahead["parts"]["audit"]["batches"] == ahead["batches"]
+    own = _make(gate, sampler=_Fixed(list(range(24))))
+    own.load_state_dict(ahead)
+    other = _make(gate, sampler=_Fixed(list(reversed(range(24)))))
+    with pytest.raises(StateMismatchError, match=f"resume audit failed at epoch 0, after batch "
+                                                 f"{ahead['batches']}"):
+        other.load_state_dict(ahead)
+
+
 def test_in_order_false_without_workers_is_the_plan(tmp_path: Path) -> None:
     (tmp_path / "gate").touch()
     data = Gated(10, str(tmp_path / "gate"), frozenset())
