@@ -590,6 +590,14 @@ def _reposition(trainer: L.Trainer, states: list[Any] | None, resuming: _Pending
         if state is not None and _is_stateful(loader):
             loader.load_state_dict(state)
     iterator: Any = combined._iterator
+    replayed = loaders[j:j + 1] if combined._mode == "sequential" else loaders
+    if replay and any(getattr(loader, "in_order", True) is False for loader in replayed):
+        warnings.warn(f"ExactResume resumes this validation pass by replaying its first {replay} "
+                      "batches in the plan's order, but a validation loader has in_order=False: "
+                      "the batches validated before the checkpoint came in the order its workers "
+                      "finished them, so some may now be validated twice and others not at all. "
+                      "Give validation loaders in_order=True where a checkpoint may fall inside "
+                      "a validation pass", stacklevel=2)
     if combined._mode == "sequential":
         iterator._iterator_idx = j
         iterator._idx = k - replay

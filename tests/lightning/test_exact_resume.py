@@ -429,6 +429,22 @@ def test_a_checkpoint_inside_the_rest_of_a_resumed_pass(tmp_path: Path) -> None:
         assert twice == full, hook
 
 
+def test_replaying_an_out_of_order_validation_pass_warns(tmp_path: Path) -> None:
+    """A checkpoint inside a step resumes the pass by replaying its first batches in the plan's
+    order, which an ``in_order=False`` pass did not keep: it says so, where it used to validate
+    some batches twice and others never in silence."""
+    def loaders() -> tuple[Any, Any]:
+        return (ResumableLoader(IndexDataset(12), batch_size=2, shuffle=True, seed=3),
+                ResumableLoader(IndexDataset(6), batch_size=2, num_workers=2, in_order=False,
+                                evaluation=True))
+
+    path = tmp_path / "inside.ckpt"
+    fit(loaders, tmp_path, [SaveDuringValidation(path, 0, 1, hook="on_validation_batch_start")],
+        max_epochs=1)
+    with pytest.warns(UserWarning, match="replaying its first 1 batches.*in_order=False"):
+        fit(loaders, tmp_path, ckpt_path=path, max_epochs=1)
+
+
 def test_checkpoints_written_by_a_resumed_run_resume_exactly_too(tmp_path: Path) -> None:
     first = tmp_path / "first"
     full = fit(resumable(), tmp_path, [every_step_checkpoints(first)], val_check_interval=0.5)
