@@ -30,9 +30,11 @@ class SimulatedCrash(RuntimeError):
 class _CrashAfterStep(Callback):
     def __init__(self, step: int) -> None:
         self.step = step
+        self.crashed = False
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
         if trainer.global_step == self.step:
+            self.crashed = True
             raise SimulatedCrash(f"simulated crash after step {self.step}")
 
 
@@ -66,11 +68,18 @@ def crash_and_resume(run: Callable[[list[Callback], str | None], T], crash_at_st
     """``run(callbacks, ckpt_path)`` three times: uninterrupted; crashing after
     ``crash_at_step`` with a checkpoint at every step; resumed from that step's checkpoint.
     Returns what the three runs returned."""
+    if crash_at_step < 1:
+        raise SystemExit(f"--crash-at-step must be at least 1 (a step to resume after), got "
+                         f"{crash_at_step}")
     full = run([], None)
     with tempfile.TemporaryDirectory() as tmp:
         every_step = ModelCheckpoint(dirpath=tmp, every_n_train_steps=1, save_top_k=-1,
                                      filename="{step}")
-        before = run([every_step, _CrashAfterStep(crash_at_step)], None)
+        crash = _CrashAfterStep(crash_at_step)
+        before = run([every_step, crash], None)
+        if not crash.crashed:
+            raise SystemExit(f"--crash-at-step {crash_at_step}: the run ended before a step "
+                             "came after it; choose an earlier step")
         after = run([], str(Path(tmp) / f"step={crash_at_step}.ckpt"))
     return full, before, after
 

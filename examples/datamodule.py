@@ -123,7 +123,7 @@ def main() -> int:
     val_samples = args.samples // 4 + 1
     once = sorted(full.validated) == sorted(list(range(val_samples)) * args.epochs)
     print(f"validation, batch_size=1: each of {val_samples} samples once per epoch: {once}")
-    return 0 if report(full.seen, before.seen, after.seen) else 1
+    return 0 if report(full.seen, before.seen, after.seen) and once else 1
 
 
 if __name__ == "__main__":

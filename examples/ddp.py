@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import tempfile
 import warnings
 from collections import Counter
@@ -80,7 +81,7 @@ def fit(args: argparse.Namespace, callbacks: list[Callback], ckpt: Path | None =
     return model.seen
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=50)
     parser.add_argument("--batch-size", type=int, default=4)
@@ -108,7 +109,7 @@ def main() -> None:
     rank = dist.get_rank()
     dist.destroy_process_group()  # before exiting, so that no rank exits with gloo's threads alive
     if rank != 0:
-        return
+        return 0
     ranks_full, ranks_before, ranks_after = runs
     exactly_once = all(
         Counter(i for seen in ranks_full for e, batch in seen if e == epoch for i in batch)
@@ -125,7 +126,8 @@ def main() -> None:
     print(f"stopped after step {args.stop_at_step}, resumed: "
           f"{[len(b) for b in ranks_before]} + {[len(a) for a in ranks_after]} batches")
     print(f"identical to an uninterrupted run on every rank: {'yes' if identical else 'NO'}")
+    return 0 if exactly_once and identical and len(set(counts)) == 1 else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -117,18 +117,21 @@ def main() -> int:
 
         full, before, after = crash_and_resume(partial(fit, paths, args), args.crash_at_step)
 
+    every_epoch_once = True
     for epoch in range(args.epochs):
         batches = [ids for e, ids in full if e == epoch]
         counts = Counter(i for ids in batches for i in ids)
         once = sorted(counts) == list(range(total)) and set(counts.values()) == {1}
+        every_epoch_once = every_epoch_once and once
         sizes = Counter(len(ids) for ids in batches)
         print(f"epoch {epoch}: {len(batches)} batches (sizes {dict(sorted(sizes.items()))}), "
               f"every record exactly once: {'yes' if once else 'NO'}; "
               f"first batch {batches[0]}")
     print(f"crashed after step {len(before)}, resumed from its checkpoint: {len(after)} more "
           "steps")
-    return 0 if report([ids for _, ids in full], [ids for _, ids in before],
-                       [ids for _, ids in after]) else 1
+    resumed = report([ids for _, ids in full], [ids for _, ids in before],
+                     [ids for _, ids in after])
+    return 0 if resumed and every_epoch_once else 1
 
 
 if __name__ == "__main__":
