@@ -235,6 +235,15 @@ def _device_pipelines(pipelines: Mapping[str, Any], field_names: Sequence[str],
     return result
 
 
+def _most_threads() -> int:
+    """The most threads FFCV's compiled pipeline may run on (numba's ``NUMBA_NUM_THREADS``):
+    FFCV's own ``Loader`` fails at construction past it, this one would fail at its first
+    batch."""
+    from numba import config
+
+    return int(config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+
+
 class FFCVLoader(DeliveryCore):
     """An FFCV ``Loader`` whose order is our plan and whose state is a cursor.
 
@@ -303,6 +312,10 @@ class FFCVLoader(DeliveryCore):
         if num_workers == 0 or num_workers < -1:
             raise ValueError(f"num_workers must be >= 1 (FFCV threads) or -1 (one per CPU), "
                              f"got {num_workers}")
+        if num_workers > _most_threads():
+            raise ValueError(f"num_workers={num_workers} is more than the {_most_threads()} "
+                             "threads FFCV's numba may start here (NUMBA_NUM_THREADS, the CPU "
+                             "count); use fewer, or -1 (one per CPU)")
         if batches_ahead < 1:
             raise ValueError(f"batches_ahead must be >= 1, got {batches_ahead}")
         if not distributed:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import threading
@@ -258,6 +259,10 @@ def test_bad_arguments_are_refused_with_both_values(beton: Path, tmp_path: Path)
         FFCVLoader(beton, batch_size=4, drop_last=True, last_batch="pad")
     with pytest.raises(ValueError, match="batch_size"):
         FFCVLoader(beton, batch_size=0)
+    too_many = os.cpu_count() or 1  # numba's NUMBA_NUM_THREADS; it used to fail at the 1st batch
+    with pytest.raises(ValueError, match=f"num_workers={too_many + 1} is more than the "
+                                         f"{too_many} threads"):
+        FFCVLoader(beton, batch_size=4, num_workers=too_many + 1)
 
 
 def test_missing_ffcv_gives_the_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
