@@ -56,10 +56,17 @@ def _ours(n: int) -> Any:
 
 
 def _ours_state(batches: int) -> dict[str, Any]:
-    """The state a checkpoint taken after ``batches`` batches of epoch 0 holds."""
-    state = _ours(N_OURS).state_dict()
-    state["batches"] = batches
-    return state
+    """The state a checkpoint taken after ``batches`` batches of epoch 0 holds: a loader
+    moved to the batch before by a cursor, then one batch read, so that the state is the one
+    delivery writes (its resume audit included); at 0, a new loader's."""
+    loader = _ours(N_OURS)
+    cursor = loader.state_dict()
+    if batches == 0:
+        return cursor
+    cursor["batches"] = batches - 1
+    loader.load_state_dict(cursor)
+    next(iter(loader))
+    return loader.state_dict()
 
 
 def _ours_latency(state: dict[str, Any]) -> float:

@@ -301,13 +301,17 @@ def _timer(loader: Any, batches: int) -> Callable[[], float]:
 
 
 def cpu_seconds(children: bool = False) -> float:
-    """CPU time of this process (all threads) and, with ``children``, of its live child
-    processes (the kernel counts theirs in clock ticks: only sums over many epochs are
-    precise)."""
+    """CPU time of this process (all threads) and, with ``children``, of its child processes:
+    the live ones and those that exited and were waited for (a loader that starts workers each
+    epoch ends some during it). The kernel counts children's time in clock ticks: only sums
+    over many epochs are precise."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     total = usage.ru_utime + usage.ru_stime
     if children:
         import psutil
+
+        ended = resource.getrusage(resource.RUSAGE_CHILDREN)
+        total += ended.ru_utime + ended.ru_stime
 
         for child in psutil.Process().children(recursive=True):
             try:
