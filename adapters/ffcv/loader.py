@@ -312,8 +312,9 @@ class FFCVLoader(DeliveryCore):
         if num_workers == 0 or num_workers < -1:
             raise ValueError(f"num_workers must be >= 1 (FFCV threads) or -1 (one per CPU), "
                              f"got {num_workers}")
-        if num_workers > _most_threads():
-            raise ValueError(f"num_workers={num_workers} is more than the {_most_threads()} "
+        most = _most_threads()
+        if num_workers > most:
+            raise ValueError(f"num_workers={num_workers} is more than the {most} "
                              "threads FFCV's numba may start here (NUMBA_NUM_THREADS, the CPU "
                              "count); use fewer, or -1 (one per CPU)")
         if batches_ahead < 1:

@@ -214,17 +214,16 @@ class MapStyleLoader(ResumableLoader):
         schedule = self.schedule
         state = schedule.state_dict()
         rank, world_size = schedule.placement
+        parts = dict(state[PARTS])
         if self._restored or schedule.epoch is None:  # not started, or a state pending
             entry = self._window.pending() or [state["batches"], []]
         else:
             entry = self._window.saved(schedule.batches, held)
             entry[0] = max(entry[0], state["offset_batches"])
-        state["batches"] = entry[0]
-        ranks = gather_by_rank(entry, rank, world_size)
-        parts = dict(state[PARTS])
-        if not (self._restored or schedule.epoch is None):
             # each rank's frontier replaces the cursor: the audit names the one it describes
             parts[AUDIT] = schedule.audit_at(entry[0])
+        state["batches"] = entry[0]
+        ranks = gather_by_rank(entry, rank, world_size)
         state[PARTS] = {**parts, **self._parts(held), WINDOW: {"ranks": ranks}}
         return state
 
