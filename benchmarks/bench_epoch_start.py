@@ -19,6 +19,7 @@ from benchmarks.common import (
     make_loaders,
     median,
     paired_ratio,
+    standalone,
 )
 
 __all__ = ["run"]
@@ -75,3 +76,7 @@ def run(settings: Settings) -> Report:
                "of the per-repetition ratios.",),
         plot=Plot("config", tuple(f"{name} (ms)" for name in names), "ms"),
     )
+
+
+if __name__ == "__main__":
+    raise SystemExit(standalone(run, __doc__.splitlines()[0], {}))

@@ -14,6 +14,7 @@ from benchmarks.common import (
     Report,
     Settings,
     compare_throughput,
+    standalone,
     throughput_columns,
     throughput_note,
     throughput_series,
@@ -60,3 +61,7 @@ def run(settings: Settings) -> Report:
         notes=(throughput_note(batches, settings),),
         plot=Plot("config", throughput_series(), "samples/s"),
     )
+
+
+if __name__ == "__main__":
+    raise SystemExit(standalone(run, __doc__.splitlines()[0], {}))

@@ -34,6 +34,7 @@ from benchmarks.common import (
     make_loaders,
     median,
     ratio,
+    standalone,
 )
 
 __all__ = ["CASES", "RecordDataset", "make_records", "measure_case", "run"]
@@ -171,4 +172,7 @@ def run(settings: Settings) -> Report:
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure_case(sys.argv[1], int(sys.argv[2]))))
+    if len(sys.argv) > 1 and not sys.argv[1].startswith("-"):  # one case, for run()
+        print(json.dumps(measure_case(sys.argv[1], int(sys.argv[2]))))
+    else:
+        raise SystemExit(standalone(run, __doc__.splitlines()[0], {}))

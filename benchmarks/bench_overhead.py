@@ -20,6 +20,7 @@ from benchmarks.common import (
     median,
     paired_ratio,
     round_robin,
+    standalone,
 )
 
 __all__ = ["run"]
@@ -58,3 +59,7 @@ def run(settings: Settings) -> Report:
                "of the per-repetition ratios (above 1: ours costs less).",),
         plot=Plot("batch size", tuple(f"{name} (us/batch)" for name in names), "CPU us/batch"),
     )
+
+
+if __name__ == "__main__":
+    raise SystemExit(standalone(run, __doc__.splitlines()[0], {}))

@@ -27,6 +27,7 @@ from benchmarks.common import (
     interleaved,
     median,
     paired_ratio,
+    standalone,
 )
 
 __all__ = ["IndexDataset", "run"]
@@ -157,3 +158,7 @@ def run(settings: Settings) -> Report:
         plot=Plot("position", ("ours (ms)", f"{STATEFUL} (ms)", f"{REPLAY} (ms)"), "ms",
                   log=True),
     )
+
+
+if __name__ == "__main__":
+    raise SystemExit(standalone(run, __doc__.splitlines()[0], {}))

@@ -21,7 +21,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Plot, Report, Settings, interleaved, median, ratio
+from benchmarks.common import (
+    Plot,
+    Report,
+    Settings,
+    interleaved,
+    median,
+    ratio,
+    standalone,
+)
 
 __all__ = ["measure_case", "run"]
 
@@ -139,4 +147,7 @@ def run(settings: Settings) -> Report:
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure_case(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))
+    if len(sys.argv) > 1 and not sys.argv[1].startswith("-"):  # one case, for run()
+        print(json.dumps(measure_case(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))
+    else:
+        raise SystemExit(standalone(run, __doc__.splitlines()[0], {}))

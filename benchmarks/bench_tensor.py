@@ -11,6 +11,7 @@ from benchmarks.common import (
     Report,
     Settings,
     compare_throughput,
+    standalone,
     throughput_columns,
     throughput_note,
     throughput_series,
@@ -40,3 +41,7 @@ def run(settings: Settings) -> Report:
         plot=Plot("config", throughput_series(), "samples/s",
                   log=True),
     )
+
+
+if __name__ == "__main__":
+    raise SystemExit(standalone(run, __doc__.splitlines()[0], {}))

@@ -15,6 +15,7 @@ from benchmarks.common import (
     Settings,
     compare_throughput,
     median,
+    standalone,
     throughput_columns,
     throughput_note,
     throughput_series,
@@ -70,3 +71,7 @@ def run(settings: Settings) -> Report:
         notes=(throughput_note(batches, settings),),
         plot=Plot("config", throughput_series(), "samples/s"),
     )
+
+
+if __name__ == "__main__":
+    raise SystemExit(standalone(run, __doc__.splitlines()[0], {}))

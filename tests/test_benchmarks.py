@@ -35,6 +35,14 @@ def test_every_benchmark_writes_its_table_and_plot(tmp_path: Path) -> None:
         assert (tmp_path / f"{name}.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_every_benchmark_runs_alone(name: str) -> None:
+    """``python -m benchmarks.bench_<name>`` is each benchmark's own command line."""
+    done = subprocess.run([sys.executable, "-m", f"benchmarks.bench_{name}", "--help"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "--full" in done.stdout, (done.stdout + done.stderr)[-2000:]
+
+
 def test_throughput_contenders_deliver_the_same_samples(tmp_path: Path) -> None:
     from benchmarks.bench_throughput import run
     from benchmarks.common import Settings
