@@ -296,8 +296,11 @@ class ExactResume(Callback):
         val_loop._has_run = has_run
         # Lightning then counts that validation done (``increment_progress_to_evaluation_end``),
         # whose ``reset()`` fetches a batch of an unsized loader: a pass that never runs, which
-        # would move its next pass on an epoch. The next pass starts from the states of now.
-        self._loader_states = _states(trainer, _val_loaders(trainer), False)
+        # would move its next pass on an epoch. The next pass starts from the states of now,
+        # and a loader whose part of the pass was over before the checkpoint from the state
+        # set aside for it (this process never read it).
+        self._loader_states = _overlaid(self._loader_states,
+                                        _states(trainer, _val_loaders(trainer), False))
 
     def on_sanity_check_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._after_sanity = True

@@ -307,6 +307,8 @@ MID_VALIDATION = [
                  id="end-of-first-loader-then-a-pass"),
     pytest.param(resumable(val_loaders=2), 0, 1, 0, "on_validation_batch_end", True, HALF,
                  id="second-loader-then-a-pass"),
+    pytest.param(resumable(val_loaders=2, shuffle_val=True), 0, 1, 0, "on_validation_batch_end",
+                 True, HALF, id="shuffled-second-loader-then-a-pass"),
     # a mode leaving a member mid-epoch: the next pass starts it afresh
     pytest.param(combined("max_size_cycle"), 1, 0, 1, "on_validation_batch_end", True, HALF,
                  id="CombinedLoader-max_size_cycle"),
