@@ -17,12 +17,13 @@ from typing import Any, Protocol, runtime_checkable
 
 from lightning_loaders.errors import StateMismatchError
 
-__all__ = ["STATE_VERSION", "LoaderState", "Stateful"]
+__all__ = ["STATE_VERSION", "LoaderState", "Stateful", "abandoned"]
 
 STATE_VERSION = 2
 VERSION = "version"
 FINGERPRINT = "fingerprint"
 PARTS = "parts"
+ABANDONED = "abandoned"
 
 
 @runtime_checkable
@@ -56,6 +57,9 @@ class LoaderState:
         fingerprint: dataset length, seed, batch size, last-batch policy and order; must match.
         parts: each component's own state under its name (``"order"``, ``"dataset"``,
             ``"skipped"``, ``"slots"``, ``"dali"``).
+        abandoned: its reader left ``epoch`` for good (``abandoned()``): restored, the next
+            epoch start begins the next epoch instead of continuing the cursor. Saved only
+            when true.
     """
 
     kind: str
@@ -67,11 +71,14 @@ class LoaderState:
     trainer_epoch: int | None = None
     fingerprint: Mapping[str, Any] = field(default_factory=dict)
     parts: Mapping[str, Any] = field(default_factory=dict)
+    abandoned: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         state = asdict(self)
         state[FINGERPRINT] = dict(self.fingerprint)
         state[PARTS] = dict(self.parts)
+        if not self.abandoned:
+            del state[ABANDONED]
         return {VERSION: STATE_VERSION, **state}
 
     @classmethod
@@ -112,6 +119,9 @@ class LoaderState:
             raise StateMismatchError(
                 f"corrupted loader state: offset_batches={state['offset_batches']} "
                 f"exceeds batches={state['batches']}")
+        if not isinstance(state.get(ABANDONED, False), bool):
+            raise StateMismatchError(
+                f"corrupted loader state: {ABANDONED}={state[ABANDONED]!r} is not a bool")
         for name in (FINGERPRINT, PARTS):
             if not isinstance(state.get(name, {}), Mapping):
                 raise StateMismatchError(
@@ -126,3 +136,13 @@ class LoaderState:
             raise StateMismatchError("state_dict does not belong to this loader's dataset and "
                                      "configuration:\n  " + "\n  ".join(mismatches))
         return cls(**{n: state[n] for n in names if n in state})
+
+
+def abandoned(state_dict: Any) -> dict[str, Any] | None:
+    """A loader's ``state_dict()`` marked as left for good in its epoch, as a validation pass
+    that stops early (``limit_val_batches``, a ``CombinedLoader`` mode) leaves the live loader,
+    whose next ``iter()`` begins the next epoch: restored, the copy does the same, where the
+    state itself would continue the epoch. ``None`` for a state that is not this package's."""
+    if not isinstance(state_dict, Mapping) or state_dict.get(VERSION) != STATE_VERSION:
+        return None
+    return {**state_dict, ABANDONED: True}

@@ -1,7 +1,13 @@
-import pytest
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import pytest
+import torch
+
+from lightning_loaders import GeneratorSource, ResumableLoader
 from lightning_loaders.errors import LoaderError, StateMismatchError
-from lightning_loaders.state import STATE_VERSION, LoaderState
+from lightning_loaders.state import STATE_VERSION, LoaderState, abandoned
+from tests.conftest import IndexDataset
 
 FP = {"dataset_len": 10, "seed": 1, "batch_size": 2, "last_batch": "keep", "order": "shuffled"}
 
@@ -34,6 +40,8 @@ def test_mismatch_names_every_field_with_both_values() -> None:
         {"version": STATE_VERSION, "kind": "map", "epoch": 0, "batches": 0, "world_size": 0},
         {"version": STATE_VERSION, "kind": "map", "epoch": 0, "batches": 0, "world_size": 1,
          "surprise": 1},
+        {"version": STATE_VERSION, "kind": "map", "epoch": 0, "batches": 0, "world_size": 1,
+         "abandoned": "yes"},
         [1, 2, 3],
     ],
 )
@@ -54,3 +62,48 @@ def test_a_state_of_the_other_kind_is_refused_by_its_kind() -> None:
     with pytest.raises(StateMismatchError, match="saved by a loader of kind 'iterable'.*"
                                                  "this loader is of kind 'map'"):
         LoaderState.from_dict(state, "map", FP)
+
+
+def _shard(bounds: tuple[int, int]) -> Iterator[dict[str, torch.Tensor]]:
+    return ({"index": torch.tensor(i)} for i in range(*bounds))
+
+
+LOADERS: dict[str, Callable[[], Any]] = {
+    "map": lambda: ResumableLoader(IndexDataset(10), batch_size=2, shuffle=True, seed=1),
+    "iterable": lambda: ResumableLoader(GeneratorSource(_shard, [(0, 4), (4, 10)], [4, 6]),
+                                        batch_size=2, shuffle=True, shuffle_buffer=3, seed=1),
+}
+
+
+def _ids(batches: Any) -> list[Any]:
+    return [batch["index"].tolist() for batch in batches]
+
+
+@pytest.mark.parametrize("kind", sorted(LOADERS))
+def test_an_abandoned_state_begins_the_next_epoch_as_the_live_loader_does(kind: str) -> None:
+    """A pass that stops early (``limit_val_batches``) leaves the live loader mid-epoch, and
+    its next ``iter()`` begins the next epoch; the state marked ``abandoned`` restores that,
+    where the state itself continues the epoch."""
+    live = LOADERS[kind]()
+    batches = iter(live)
+    first = _ids(next(batches) for _ in range(2))
+    state = live.state_dict()
+    rest_of_epoch = _ids(batches)
+    next_epoch = _ids(live)
+    left = abandoned(state)
+    assert left is not None and left["abandoned"] is True and "abandoned" not in state
+    restored = LOADERS[kind]()
+    restored.load_state_dict(left)
+    assert restored.resume_batch() == len(live)  # nothing of that epoch is left
+    assert _ids(restored) == next_epoch and restored.epoch == 1
+    continued = LOADERS[kind]()
+    continued.load_state_dict(state)
+    assert _ids(continued) == rest_of_epoch and len(first + rest_of_epoch) == len(live)
+
+
+def test_only_this_packages_states_can_be_marked_abandoned() -> None:
+    assert abandoned({"epoch": 1, "batches": 2}) is None
+    assert abandoned(None) is None
+    marked = abandoned(LoaderState("map", 0, 1, 1, fingerprint=FP).to_dict())
+    assert marked is not None
+    assert LoaderState.from_dict(marked, "map", FP).abandoned

@@ -49,6 +49,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_loaders.schedule.audit import saved_digest
+from lightning_loaders.state import abandoned
 
 __all__ = ["ExactResume"]
 
@@ -147,12 +148,12 @@ class ExactResume(Callback):
     and a ``CombinedLoader`` in another mode than ``"sequential"`` replay the same way. After a
     pass that stops before the loader's epoch ends (``limit_val_batches``, the sanity check's
     ``num_sanity_val_steps``, or a ``CombinedLoader`` mode: ``"max_size_cycle"`` cycling the
-    shorter members, ``"min_size"`` stopping the longer ones) its state is mid-epoch, which a
-    restored loader would continue while the live one starts its next epoch: such a loader
-    starts afresh on restore, which is exact for a fixed order without epoch-dependent
-    randomness. A loader no pass has read yet starts afresh too, at the trainer's epoch, as
-    the live one does; one whose part of an interrupted pass was over gets its state at the
-    next pass.
+    shorter members, ``"min_size"`` stopping the longer ones) the live loader starts its next
+    epoch at the next pass: this package's loaders are restored to do the same (their state
+    is saved ``abandoned``); any other loader starts afresh, which is exact for a fixed order
+    without epoch-dependent randomness. A loader no pass has read yet starts afresh too, at
+    the trainer's epoch, as the live one does; one whose part of an interrupted pass was over
+    gets its state at the next pass.
 
     With ``ResumableDataModule``: the data module carries the training loaders' cursors in its
     own state and makes its validation loaders resumable; ``ExactResume`` carries the pending
@@ -514,10 +515,11 @@ def _is_stateful(loader: Any) -> bool:
 def _states(trainer: L.Trainer, loaders: Sequence[Any], after_sanity: bool
             ) -> list[Any] | None:
     """The validation loaders' states to restore between passes (``None``: no loaders yet);
-    ``None`` for a loader without state, one no pass has read yet (it starts at the
-    trainer's epoch when restored as when new), and one whose last pass (``after_sanity``:
-    the sanity check) left it mid-epoch, which a restored loader would continue while the
-    live one starts its next epoch."""
+    ``None`` for a loader without state and one no pass has read yet (it starts at the
+    trainer's epoch when restored as when new). A loader whose last pass (``after_sanity``:
+    the sanity check) left it mid-epoch starts its next epoch at the next pass, where its
+    state would continue: this package's state is marked ``abandoned`` (it then does the
+    same), another loader's is ``None`` (it starts afresh)."""
     if not loaders:
         return None
     val_loop = trainer.fit_loop.epoch_loop.val_loop
@@ -529,8 +531,9 @@ def _states(trainer: L.Trainer, loaders: Sequence[Any], after_sanity: bool
     states: list[Any] = []
     for loader, read in zip(loaders, _batches_read(mode, loaders, limits), strict=True):
         state = loader.state_dict() if _is_stateful(loader) else None
-        states.append(None if state is None or _unread(state) or _mid_epoch(loader, read)
-                      else state)
+        if state is not None and _mid_epoch(loader, read):
+            state = abandoned(state)
+        states.append(None if state is None or _unread(state) else state)
     return states
 
 

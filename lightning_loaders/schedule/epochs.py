@@ -6,7 +6,9 @@ The rule (Lightning may create an iterator before calling ``set_epoch`` on a res
 pass a stale epoch, #21938):
 
 - a restored cursor continues, unless the trainer has moved to a later epoch than the one the
-  cursor's epoch began under (its *owner*);
+  cursor's epoch began under (its *owner*), or the state says its reader left that epoch for
+  good (``abandoned``: a validation pass that stopped early, after which the live loader's
+  next ``iter()`` begins the next epoch);
 - a restored cursor at its epoch's end stays exhausted (delivers nothing) when the trainer,
   after the restore, declares the very epoch the cursor's epoch began under: it is resuming that
   epoch, and may still be draining longer loaders beside this one
@@ -87,7 +89,10 @@ class EpochOwner:
         pending, self._pending = self._pending, None
         trainer = self._trainer_epoch
         declared = trainer if pending is not None and self._declared_for is pending else None
-        if pending is not None:
+        if pending is not None and pending.abandoned:  # only where that epoch stood counts
+            self.epoch, self._owner = pending.epoch, pending.trainer_epoch
+            self._declared_for = None
+        elif pending is not None:
             try:
                 self._resume(pending, rank, world_size)
             except BaseException:
@@ -119,7 +124,7 @@ class EpochOwner:
             return None
         rank, world_size = self.placement
         try:
-            rest = self._rest_of(state, rank, world_size)
+            rest = 0 if state.abandoned else self._rest_of(state, rank, world_size)
             total = self.num_batches()
         except (TypeError, ValueError):
             return None

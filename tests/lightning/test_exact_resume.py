@@ -236,15 +236,17 @@ def test_without_it_the_validation_due_at_the_checkpointed_step_is_lost(
         "accumulate"])
 def test_validation_schedules(tmp_path: Path, options: dict[str, Any], passes: list[int],
                               checkpoints: int) -> None:
-    full, steps, exact_steps = resume_from_every_step(resumable(), tmp_path, **options)
+    full, steps, exact_steps = resume_from_every_step(resumable(shuffle_val=True), tmp_path,
+                                                      **options)
     assert validation_passes(full) == passes
     assert exact_steps == steps == list(range(1, checkpoints + 1))
 
 
 def test_limit_val_batches_and_the_validation_cursor(tmp_path: Path) -> None:
-    """Each pass reads 2 of the loader's 5 batches; the loader's cursor carries on between
-    passes, and the resumed run must carry on from where the checkpoint left it."""
-    full, steps, exact_steps = resume_from_every_step(resumable(val_batches=5), tmp_path,
+    """Each pass reads 2 of the shuffled loader's 5 batches, then the live loader starts its
+    next epoch at the next pass; a restored one must too, in that epoch's order."""
+    full, steps, exact_steps = resume_from_every_step(resumable(val_batches=5,
+                                                                shuffle_val=True), tmp_path,
                                                       val_check_interval=0.5,
                                                       limit_val_batches=2)
     assert validation_passes(full) == [3, 6, 9, 12]
@@ -259,14 +261,14 @@ def test_several_validation_loaders(tmp_path: Path) -> None:
     assert exact_steps == steps == list(range(1, STEPS + 1))
 
 
-def combined(mode: str) -> Loaders:
+def combined(mode: str, shuffle: bool = False) -> Loaders:
     """Validation over a ``CombinedLoader`` of two resumable loaders in ``mode``."""
 
     def make() -> tuple[Any, Any]:
         train, _ = resumable()()
-        val = CombinedLoader({"a": ResumableLoader(IndexDataset(6), batch_size=2, evaluation=True),
-                              "b": ResumableLoader(IndexDataset(4), batch_size=2, evaluation=True)},
-                             mode)
+        val = CombinedLoader({name: ResumableLoader(IndexDataset(n), batch_size=2, seed=5,
+                                                    shuffle=shuffle, evaluation=True)
+                              for name, n in (("a", 6), ("b", 4))}, mode)
         return train, val
 
     return make
@@ -322,8 +324,8 @@ def test_a_combined_validation_loader_that_leaves_a_member_mid_epoch(tmp_path: P
                                                                      mode: str) -> None:
     """``max_size_cycle`` cycles the shorter member and ``min_size`` stops the longer one
     inside its epoch; the live loader starts that member's next epoch at the next pass, so a
-    restored one must too (its mid-epoch state is not carried)."""
-    full, steps, exact_steps = resume_from_every_step(combined(mode), tmp_path,
+    restored one must too, in that epoch's order."""
+    full, steps, exact_steps = resume_from_every_step(combined(mode, shuffle=True), tmp_path,
                                                       val_check_interval=0.5)
     assert validation_passes(full) == [3, 6, 9, 12]
     assert exact_steps == steps == list(range(1, STEPS + 1))
