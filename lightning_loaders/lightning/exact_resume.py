@@ -132,8 +132,10 @@ class ExactResume(Callback):
 
     This holds for ``val_check_interval`` as a fraction or an integer (also with
     ``check_val_every_n_epoch=None``), ``check_val_every_n_epoch > 1``, ``limit_val_batches``,
-    several validation loaders, and DDP (every rank runs the pending pass; rank 0's checkpoint
-    carries the state, as for the training loaders). The pending pass runs at
+    ``reload_dataloaders_every_n_epochs`` (rebuilt validation loaders start afresh, in the
+    epochs the uninterrupted run rebuilt them), several validation loaders, and DDP (every
+    rank runs the pending pass; rank 0's checkpoint carries the state, as for the training
+    loaders). The pending pass runs at
     ``on_train_start``, with ``trainer.current_epoch`` the epoch it belongs to. A pass resumed
     mid-way starts again with ``on_validation_start`` and ``on_validation_epoch_start``, so
     epoch-level metrics cover the batches run after the resume, unless their state is in the
@@ -201,6 +203,9 @@ class ExactResume(Callback):
       sequential mode ``_Sequential._iterator_idx``, ``_idx`` and ``_load_current_iterator()``
       (``combined_loader.py:123-181``); then the fetcher's ``fetched`` count and prefetched
       ``batches`` (``loops/fetchers.py:33, 101``).
+    - ``loops/evaluation_loop.py:109-112, 155-173``: the validation loaders are rebuilt when
+      ``current_epoch - _last_val_dl_reload_epoch >= reload_dataloaders_every_n_epochs``;
+      ``ExactResume`` saves that epoch and puts it back on restore.
     - ``batch_progress`` of the validation loop (``loops/evaluation_loop.py:423-460``):
       ``current.ready`` counts batches handed to steps, ``current.processed`` steps done;
       ``max_batches`` (``:96-101``) the batches of each loader per pass.
@@ -212,6 +217,7 @@ class ExactResume(Callback):
         self._pending: _Pending | None = None  # restored, runs at on_train_start
         self._resuming: _Pending | None = None  # that pass, positioned when it starts
         self._loader_states: list[Any] | None = None  # restored, applied at the next pass
+        self._loaded_at: int | None = None  # the epoch the loaders of those states were built
         self._pass: _Pass | None = None
         self._after_sanity = False  # the sanity check was the loaders' last pass
 
@@ -221,7 +227,7 @@ class ExactResume(Callback):
         """Which validation is pending (``None``: none) and the validation loaders' states."""
         trainer = self._trainer() if self._trainer is not None else None
         if self._pending is not None or trainer is None:  # restored, not run yet
-            return _state(self._epoch, self._pending, self._loader_states)
+            return _state(self._epoch, self._pending, self._loader_states, self._loaded_at)
         loaders = _val_loaders(trainer)
         states = _overlaid(self._loader_states, _states(trainer, loaders, self._after_sanity))
         pending: _Pending | None = None
@@ -229,7 +235,7 @@ class ExactResume(Callback):
             pending, states = self._rest_of_pass(trainer, loaders, states)
         elif _fitting(trainer) and _validation_due(trainer):
             pending = _Pending()
-        return _state(trainer.current_epoch, pending, states)
+        return _state(trainer.current_epoch, pending, states, _loaded_at(trainer))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore; the pending validation runs at ``on_train_start``."""
@@ -242,6 +248,7 @@ class ExactResume(Callback):
         pending = state_dict["pending"]
         self._pending = _Pending.from_dict(pending) if pending is not None else None
         self._loader_states = state_dict["loaders"]
+        self._loaded_at = state_dict.get("loaded_at")  # absent from older checkpoints
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
@@ -302,6 +309,7 @@ class ExactResume(Callback):
         # set aside for it (this process never read it).
         self._loader_states = _overlaid(self._loader_states,
                                         _states(trainer, _val_loaders(trainer), False))
+        self._loaded_at = _loaded_at(trainer)
 
     def on_sanity_check_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._after_sanity = True
@@ -313,6 +321,9 @@ class ExactResume(Callback):
             return
         resuming, self._resuming = self._resuming, None
         states, self._loader_states = self._loader_states, None
+        loaded_at, self._loaded_at = self._loaded_at, None
+        if states is not None and _reloaded(trainer, loaded_at):
+            states = None  # their loaders were rebuilt since: these start afresh, as those did
         loaders = _val_loaders(trainer)
         if states is not None and len(states) != len(loaders):
             warnings.warn(f"the checkpoint holds the states of {len(states)} validation loaders "
@@ -326,6 +337,7 @@ class ExactResume(Callback):
             start = _reposition(trainer, states, resuming)
         if states is not None and start[0] > 0:  # those loaders' pass is over: next pass
             self._loader_states = _overlaid(states[:start[0]], [None] * len(states))
+            self._loaded_at = _loaded_at(trainer)
         origin = resuming.origin if resuming is not None else None
         if origin is None:
             origin = _states(trainer, loaders, self._after_sanity) or []
@@ -464,9 +476,31 @@ def _resume_batch(trainer: L.Trainer) -> int | None:
     return min(max(int(total) - rest, 0), int(total))
 
 
-def _state(epoch: int, pending: _Pending | None, loaders: list[Any] | None) -> dict[str, Any]:
+def _state(epoch: int, pending: _Pending | None, loaders: list[Any] | None,
+           loaded_at: int | None) -> dict[str, Any]:
     return {"version": _VERSION, "epoch": epoch,
-            "pending": pending.to_dict() if pending is not None else None, "loaders": loaders}
+            "pending": pending.to_dict() if pending is not None else None, "loaders": loaders,
+            "loaded_at": loaded_at}
+
+
+def _loaded_at(trainer: L.Trainer) -> int | None:
+    """The epoch in which the validation loaders were last built (``None``: not yet)."""
+    epoch = trainer.fit_loop.epoch_loop.val_loop._last_val_dl_reload_epoch
+    return int(epoch) if epoch != float("-inf") else None
+
+
+def _reloaded(trainer: L.Trainer, loaded_at: int | None) -> bool:
+    """Whether the uninterrupted run, whose validation loaders were built in epoch
+    ``loaded_at``, built them anew for the pass starting now (``reload_dataloaders_every_n_
+    epochs``, by Lightning's rule); if not, Lightning's next rebuild is set where that run's
+    comes (the resumed run built its loaders in its own first epoch)."""
+    every = getattr(trainer, "reload_dataloaders_every_n_epochs", 0)  # set by its data connector
+    if not every or loaded_at is None:
+        return False
+    if trainer.current_epoch - loaded_at >= every:
+        return True
+    trainer.fit_loop.epoch_loop.val_loop._last_val_dl_reload_epoch = loaded_at
+    return False
 
 
 def _fitting(trainer: L.Trainer) -> bool:

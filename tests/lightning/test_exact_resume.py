@@ -463,26 +463,43 @@ def test_checkpoints_written_by_a_resumed_run_resume_exactly_too(tmp_path: Path)
 
 
 class Data(ResumableDataModule):
+    def __init__(self, shuffle_val: bool = False) -> None:
+        super().__init__()
+        self.shuffle_val = shuffle_val
+
     def train_dataloader(self) -> Any:
         return DataLoader(IndexDataset(12), batch_size=2, shuffle=True,
                           generator=torch.Generator().manual_seed(5))
 
     def val_dataloader(self) -> Any:
-        return DataLoader(IndexDataset(6), batch_size=2)
+        return DataLoader(IndexDataset(6), batch_size=2, shuffle=self.shuffle_val)
 
 
-def test_with_resumable_data_module(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("max_epochs", "options"), [
+    (2, {}),
+    (2, {"reload_dataloaders_every_n_epochs": 1}),
+    (4, {"reload_dataloaders_every_n_epochs": 2}),
+], ids=["kept", "rebuilt-every-epoch", "rebuilt-every-2-epochs"])
+def test_with_resumable_data_module(tmp_path: Path, max_epochs: int,
+                                    options: dict[str, Any]) -> None:
+    """A shuffled validation loader goes on between passes, or starts afresh where Lightning
+    rebuilds it (``reload_dataloaders_every_n_epochs``): a resumed run must do the same, and
+    rebuild it in the same epochs."""
     directory = tmp_path / "checkpoints"
 
     def run(ckpt_path: Path | None = None, callbacks: Iterable[Any] = ()) -> list[Event]:
         model = EventModule()
-        trainer = make_trainer(tmp_path, 2, [ExactResume(), *callbacks], val_check_interval=0.5)
-        trainer.fit(model, datamodule=Data(), ckpt_path=str(ckpt_path) if ckpt_path else None)
+        trainer = make_trainer(tmp_path, max_epochs, [ExactResume(), *callbacks],
+                               val_check_interval=0.5, **options)
+        trainer.fit(model, datamodule=Data(shuffle_val=True),
+                    ckpt_path=str(ckpt_path) if ckpt_path else None)
         return model.events
 
     full = run(callbacks=[every_step_checkpoints(directory)])
-    assert validation_passes(full) == [3, 6, 9, 12]
-    assert all(run(checkpoint_at(directory, step)) == full for step in range(1, STEPS + 1))
+    steps = max_epochs * 6
+    assert validation_passes(full) == list(range(3, steps + 1, 3))
+    assert [step for step in range(1, steps + 1) if run(checkpoint_at(directory, step)) != full
+            ] == []
 
 
 def test_it_adds_no_warnings_or_log_records(tmp_path: Path,
