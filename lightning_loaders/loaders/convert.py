@@ -69,7 +69,7 @@ def loader_arguments(loader: DataLoader[Any], seed: int | None = None) -> dict[s
     if not iterable and not hasattr(dataset, "__len__"):
         raise TypeError(f"cannot convert a DataLoader over {type(dataset).__name__}: it has "
                         "no __len__ and is no IterableDataset")
-    sampler = loader.sampler if loader.batch_size is not None else loader.batch_sampler
+    sampler = loader.sampler if loader.batch_sampler is None else loader.batch_sampler
     generator = loader.generator or _sampler_generator(sampler)
     workers = loader.num_workers > 0  # DataLoader ignores the worker settings without workers
     arguments: dict[str, Any] = {

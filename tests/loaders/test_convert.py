@@ -73,6 +73,8 @@ def test_the_seed_comes_from_the_loader_then_the_sampler_then_the_environment(mo
     ds = IndexDataset(10)
     sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(5))
     assert make_resumable(DataLoader(ds, sampler=sampler)).seed == 5
+    assert make_resumable(DataLoader(ds, sampler=sampler, batch_size=None)).seed == 5  # unbatched
+    assert make_resumable(DataLoader(ds, batch_sampler=BatchSampler(sampler, 2, False))).seed == 5
     assert make_resumable(DataLoader(ds, sampler=sampler), seed=9).seed == 9
     monkeypatch.setenv("PL_GLOBAL_SEED", "31")
     assert make_resumable(DataLoader(ds, shuffle=True)).seed == 31
