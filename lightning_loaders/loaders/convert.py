@@ -9,13 +9,12 @@ extra required arguments convert too; behaviour a subclass adds in ``__iter__`` 
 
 from __future__ import annotations
 
-from collections.abc import Sized
-from typing import Any, cast
+from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from lightning_loaders.loaders.resumable import ResumableLoader
-from lightning_loaders.orders.from_torch import order_from_batch_sampler
+from lightning_loaders.orders.from_torch import unbatched_sampler
 from lightning_loaders.schedule.map_schedule import resolve_seed
 
 __all__ = ["loader_arguments", "make_resumable"]
@@ -90,9 +89,9 @@ def loader_arguments(loader: DataLoader[Any], seed: int | None = None) -> dict[s
         arguments.update(sampler=loader.sampler, batch_size=loader.batch_size,
                          drop_last=loader.drop_last)
     elif loader.batch_sampler is not None:
-        order, batch_size, drop_last = order_from_batch_sampler(
-            loader.batch_sampler, len(cast(Sized, dataset)), arguments["seed"])
-        arguments.update(sampler=order, batch_size=batch_size, drop_last=drop_last)
+        sampler, batch_size, drop_last = unbatched_sampler(loader.batch_sampler,
+                                                           arguments["seed"])
+        arguments.update(sampler=sampler, batch_size=batch_size, drop_last=drop_last)
     else:  # unbatched: each sample as the sampler gives it, converted
         arguments.update(sampler=loader.sampler, batch_size=None)
     return arguments

@@ -45,10 +45,10 @@ from lightning_loaders.loaders.prefetch import batches_held
 from lightning_loaders.loaders.resumable import LoaderOptions, ResumableLoader
 from lightning_loaders.orders.base import SampleOrder, SequentialOrder, ShuffledOrder
 from lightning_loaders.orders.from_torch import (
-    order_from_batch_sampler,
     order_from_sampler,
     placement_from_sampler,
     sampler_signature,
+    unbatched_sampler,
     yields_batches,
 )
 from lightning_loaders.schedule.audit import AUDIT
@@ -93,8 +93,8 @@ class MapStyleLoader(ResumableLoader):
             if not hasattr(batch_sampler, "__iter__"):
                 raise TypeError(f"batch_sampler must be an iterable of lists of indices, got a "
                                 f"{type(batch_sampler).__name__}")
-            order, size, drop_last = order_from_batch_sampler(batch_sampler, len(dataset), seed)
-            options = replace(options, sampler=order, batch_sampler=None, batch_size=size,
+            sampler, size, drop_last = unbatched_sampler(batch_sampler, seed)
+            options = replace(options, sampler=sampler, batch_sampler=None, batch_size=size,
                               drop_last=drop_last)
         unbatched: Unbatched = ""
         if options.batch_size is None:
@@ -450,8 +450,9 @@ def _unbatched(options: LoaderOptions, dataset_len: int, seed: int
     collate_fn = unbatched_conversion(options)
     sampler = options.sampler
     if sampler is not None and yields_batches(sampler):
-        order, size, _ = order_from_batch_sampler(sampler, dataset_len, seed)
-        return "bulk", replace(options, sampler=order, batch_size=size, collate_fn=collate_fn)
+        inner, size, drop_last = unbatched_sampler(sampler, seed)
+        return "bulk", replace(options, sampler=inner, batch_size=size, drop_last=drop_last,
+                               collate_fn=collate_fn)
     return "sample", replace(options, batch_size=1, collate_fn=collate_fn)
 
 

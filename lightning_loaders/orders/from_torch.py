@@ -31,10 +31,10 @@ from lightning_loaders.orders.random import (
 )
 
 __all__ = [
-    "order_from_batch_sampler",
     "order_from_sampler",
     "placement_from_sampler",
     "sampler_signature",
+    "unbatched_sampler",
     "yields_batches",
 ]
 
@@ -104,16 +104,16 @@ def _identity(values: Any) -> tuple[int, int, int | None]:
     return id(values), len(values), getattr(values, "_version", None)
 
 
-def order_from_batch_sampler(batch_sampler: Any, dataset_len: int,
-                             seed: int) -> tuple[SampleOrder, int, bool]:
-    """``(order, batch_size, drop_last)`` equivalent to ``batch_sampler``.
+def unbatched_sampler(batch_sampler: Any, seed: int) -> tuple[Any, int, bool]:
+    """``(sampler, batch_size, drop_last)`` equivalent to ``batch_sampler``.
 
-    A torch ``BatchSampler`` is its sampler's order cut into batches; any other batch sampler
-    is drawn once per epoch and its (fixed-size) batches laid end to end.
+    A torch ``BatchSampler`` is its sampler cut into batches: that sampler is given back, to
+    be ordered as any sampler is (``order_from_sampler``, which follows it when it changes in
+    place, and places the loader by a ``DistributedSampler``); any other batch sampler is drawn
+    once per epoch and its (fixed-size) batches laid end to end (a ``DrawnBatchOrder``).
     """
     if type(batch_sampler) is BatchSampler:
-        order = order_from_sampler(batch_sampler.sampler, dataset_len, seed)
-        return order, batch_sampler.batch_size, batch_sampler.drop_last
+        return batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last
     drawn = DrawnBatchOrder(batch_sampler, seed)
     return drawn, drawn.batch_size, False
 

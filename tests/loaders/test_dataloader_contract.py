@@ -4,6 +4,7 @@ exception type, an explicit ``DistributedSampler``, a growing dataset, the worke
 fixed attributes, ``ResumableLoader[T]`` and ``snapshot_every_n_steps``."""
 
 import pickle
+from typing import Any
 
 import pytest
 import torch
@@ -51,12 +52,13 @@ def test_batch_size_none_loads_single_samples_like_dataloader() -> None:
         ResumableLoader(data, batch_size=None, drop_last=True)
 
 
-def test_batch_size_none_with_a_batch_yielding_sampler_is_bulk_loading() -> None:
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_batch_size_none_with_a_batch_yielding_sampler_is_bulk_loading(drop_last: bool) -> None:
     data = _Bulk(10)
-    sampler = BatchSampler(SequentialSampler(data), 3, drop_last=False)
+    sampler = BatchSampler(SequentialSampler(data), 3, drop_last=drop_last)
     ours = ResumableLoader(data, batch_size=None, sampler=sampler)
     assert _plain(ours) == _plain(DataLoader(data, batch_size=None, sampler=sampler))
-    assert len(ours) == 4
+    assert len(ours) == len(sampler) == 4 - drop_last
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -182,13 +184,22 @@ def test_types_that_cannot_be_combined_stay_sample_fetch_errors() -> None:
     assert isinstance(caught.value.__cause__, Stop)
 
 
+def _batched(sampler: Any, batch_size: int, via: str) -> dict[str, Any]:
+    """The loader arguments that batch ``sampler``: ``sampler=`` with ``batch_size``, or a
+    torch ``BatchSampler`` around it (``batch_sampler=``)."""
+    if via == "batch_sampler":
+        return {"batch_sampler": BatchSampler(sampler, batch_size, drop_last=False)}
+    return {"sampler": sampler, "batch_size": batch_size}
+
+
+@pytest.mark.parametrize("via", ["sampler", "batch_sampler"])
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_an_explicit_distributed_sampler_places_the_loader(shuffle: bool) -> None:
+def test_an_explicit_distributed_sampler_places_the_loader(shuffle: bool, via: str) -> None:
     data = IndexDataset(12)
     seen = []
     for rank in range(3):
         sampler = DistributedSampler(data, num_replicas=3, rank=rank, shuffle=shuffle)
-        loader = ResumableLoader(data, sampler=sampler, batch_size=2)
+        loader = ResumableLoader(data, **_batched(sampler, 2, via))
         assert repr(loader).count(f"rank={rank}/3") == 1 and len(loader) == 2
         seen += [i for batch in loader for i in batch["index"].tolist()]
     assert sorted(seen) == list(range(12))  # DataLoader with the same samplers reads 12 too
@@ -226,17 +237,18 @@ class _Growing(torch.utils.data.Sampler[int]):
         return iter(range(self.k))
 
 
+@pytest.mark.parametrize("via", ["sampler", "batch_sampler"])
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_a_sampler_changed_between_epochs_is_followed(num_workers: int) -> None:
+def test_a_sampler_changed_between_epochs_is_followed(num_workers: int, via: str) -> None:
     """New ``indices``, weights edited in place, a longer curriculum: read at every epoch, as
-    ``DataLoader`` reads its sampler."""
+    ``DataLoader`` reads its sampler (also inside a ``BatchSampler``)."""
     def epochs(make) -> list[set[int]]:
         subset = SubsetRandomSampler([0, 1, 2])
         weights = torch.tensor([1.0] * 5 + [0.0] * 5, dtype=torch.float64)
         weighted = WeightedRandomSampler(weights, 6)
         growing = _Growing()
-        loaders = [make(RangeDataset(10), batch_size=2, sampler=sampler,
-                        num_workers=num_workers) for sampler in (subset, weighted, growing)]
+        loaders = [make(RangeDataset(10), num_workers=num_workers, **_batched(sampler, 2, via))
+                   for sampler in (subset, weighted, growing)]
         out = [{i for batch in loader for i in batch.tolist()} for loader in loaders]
         subset.indices = [5, 6, 7, 8]
         weights[:] = torch.tensor([0.0] * 5 + [1.0] * 5)

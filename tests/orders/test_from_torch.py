@@ -13,7 +13,7 @@ from torch.utils.data import (
 from lightning_loaders import ResumableLoader
 from lightning_loaders.orders.base import SequentialOrder, ShuffledOrder
 from lightning_loaders.orders.drawn import DrawnBatchOrder, DrawnOrder
-from lightning_loaders.orders.from_torch import order_from_batch_sampler, order_from_sampler
+from lightning_loaders.orders.from_torch import order_from_sampler, unbatched_sampler
 from lightning_loaders.orders.random import (
     RepeatedShuffleOrder,
     ReplacementOrder,
@@ -118,8 +118,8 @@ def test_ranks_split_the_single_process_stream(kind: str) -> None:
 
 def test_batch_sampler_is_its_samplers_order_in_batches() -> None:
     batch_sampler = BatchSampler(RandomSampler(DS), batch_size=5, drop_last=True)
-    order, batch_size, drop_last = order_from_batch_sampler(batch_sampler, N, seed=1)
-    assert type(order) is ShuffledOrder and (batch_size, drop_last) == (5, True)
+    sampler, batch_size, drop_last = unbatched_sampler(batch_sampler, seed=1)
+    assert sampler is batch_sampler.sampler and (batch_size, drop_last) == (5, True)
     via_batches = ResumableLoader(DS, batch_sampler=batch_sampler, seed=1)
     via_sampler = ResumableLoader(DS, sampler=RandomSampler(DS), batch_size=5, drop_last=True,
                                   seed=1)
@@ -135,7 +135,7 @@ def test_other_batch_samplers_are_drawn_and_laid_end_to_end() -> None:
         def __len__(self) -> int:
             return (N + 1) // 2
 
-    order, batch_size, drop_last = order_from_batch_sampler(Pairs(), N, seed=2)
+    order, batch_size, drop_last = unbatched_sampler(Pairs(), seed=2)
     assert isinstance(order, DrawnBatchOrder)
     assert (batch_size, drop_last, len(order)) == (2, False, N)
     assert sorted(order.indices(0, np.arange(N)).tolist()) == list(range(N))
