@@ -54,6 +54,7 @@ class DrawnOrder:
         self._checked = False
         _warn_if_rank_aware(sampler)
         self._length = _declared_length(sampler) if not self.batched else None
+        self._declared = self._length is not None
         if self._length is None:
             self._length = len(self._epoch(0))
 
@@ -118,9 +119,17 @@ class DrawnOrder:
             return self._collect(items, epoch)
 
     def _collect(self, items: Iterator[Any], epoch: int) -> np.ndarray:
-        if self._length is None:
-            return _as_indices(_listed(items, self._name, "indices", "Give it a __len__: each "
-                                       "epoch then takes its first len() indices"), self._name)
+        if not self._declared:
+            drawn = _as_indices(_listed(items, self._name, "indices", "Give it a __len__: each "
+                                        "epoch then takes its first len() indices"), self._name)
+            if self._length is not None and len(drawn) != self._length:
+                raise ValueError(
+                    f"{self._name} has no len() and yielded {len(drawn)} indices in epoch "
+                    f"{epoch}, {self._length} in the first: without len(), every epoch must have "
+                    "the first one's length (the plan and len() are fixed from it). Give the "
+                    "sampler a __len__ that says each epoch's length: a changed len() is "
+                    "followed between epochs")
+            return drawn
         drawn = _as_indices(list(islice(items, self._length)), self._name)
         if len(drawn) != self._length:
             raise ValueError(f"{self._name} yielded only {len(drawn)} indices in epoch {epoch}, "

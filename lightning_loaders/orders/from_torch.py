@@ -68,9 +68,12 @@ def order_from_sampler(sampler: Any, dataset_len: int, seed: int) -> SampleOrder
         return SubsetOrder(sampler.indices, seed)
     if kind is WeightedRandomSampler:
         return WeightedOrder(sampler.weights, sampler.num_samples, sampler.replacement, seed)
-    if kind is DistributedSampler:
+    if kind is DistributedSampler:  # its drop_last: the order's tail past equal shares
         n = len(sampler.dataset)
-        return ShuffledOrder(n, seed) if sampler.shuffle else SequentialOrder(n)
+        kept = n - n % sampler.num_replicas if sampler.drop_last else n
+        if not sampler.shuffle:
+            return SequentialOrder(kept)
+        return ShuffledOrder(n, seed) if kept == n else RepeatedShuffleOrder(n, kept, seed)
     if not hasattr(sampler, "__iter__"):
         raise TypeError(f"cannot use a {kind.__name__} as a sampler: it is not iterable")
     return DrawnOrder(sampler, seed)

@@ -149,6 +149,25 @@ def test_samplers_without_len_are_drawn_once_to_learn_it() -> None:
     assert [i for b in loader for i in indices(b)] == list(range(1, N, 2))
 
 
+def test_a_sampler_without_len_whose_epochs_differ_in_length_is_refused() -> None:
+    """Without ``len()`` the plan is fixed from the first epoch's draw; a later epoch of
+    another length (a curriculum growing with ``set_epoch``) is refused, not cut to it."""
+    class Growing:
+        epoch = 0
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+        def __iter__(self):
+            return iter(range(4 * (self.epoch + 1)))
+
+    loader = ResumableLoader(IndexDataset(N), sampler=Growing(), batch_size=2)
+    assert [i for b in loader for i in indices(b)] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="no len\\(\\) and yielded 8 indices in epoch 1, 4 in "
+                                         "the first.*__len__"):
+        list(loader)
+
+
 def test_an_infinite_sampler_with_len_is_cut_at_len() -> None:
     class Forever(Sampler[int]):
         def __len__(self) -> int:

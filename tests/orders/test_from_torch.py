@@ -1,8 +1,11 @@
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 from torch.utils.data import (
     BatchSampler,
+    DataLoader,
     DistributedSampler,
     RandomSampler,
     SequentialSampler,
@@ -77,6 +80,25 @@ def test_a_distributed_sampler_is_replaced_by_the_global_order_it_shards() -> No
         sampler = DistributedSampler(DS, num_replicas=2, rank=1, shuffle=shuffle)
         order = order_from_sampler(sampler, N, seed=0)
         assert type(order) is kind and len(order) == N
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_distributed_samplers_drop_last_drops_the_tail_past_equal_shares(
+        shuffle: bool) -> None:
+    """As ``DataLoader`` with ``DistributedSampler(drop_last=True)``: every rank reads
+    ``n // num_replicas`` samples, in batches of the same sizes, and the tail is dropped."""
+    data = IndexDataset(10)
+
+    def read(make: Any) -> list[list[list[int]]]:
+        return [[indices(b) for b in make(data, batch_size=2, sampler=DistributedSampler(
+                    data, num_replicas=3, rank=rank, shuffle=shuffle, drop_last=True))]
+                for rank in range(3)]
+
+    ours, torch_ranks = read(ResumableLoader), read(DataLoader)
+    assert [[len(b) for b in rank] for rank in ours] == [[len(b) for b in rank]
+                                                        for rank in torch_ranks] == [[2, 1]] * 3
+    seen = [i for rank in ours for b in rank for i in b]
+    assert len(seen) == len(set(seen)) == 9
 
 
 @pytest.mark.parametrize("kind", KINDS)
