@@ -257,14 +257,20 @@ def refuse_unseeded_shuffle(dataset: Any) -> None:
 
 def _whole_stream_only(step: Any) -> str:
     """The pipeline step, described, whose result differs when it runs per shard: ``take``
-    and ``skip`` (their count is spread over the shards) and ``interleave_datasets`` that stops
-    at the first exhausted source (per shard, it stops elsewhere); ``""`` for any other."""
+    and ``skip`` (their count is spread over the shards), ``interleave_datasets`` (per shard,
+    a source is exhausted, and the short ones cycled, elsewhere) and ``map`` or ``filter`` with
+    ``with_indices=True``, ``add_column`` among them (the index restarts in every shard);
+    ``""`` for any other."""
     kind = type(step).__name__
     if kind in ("TakeExamplesIterable", "SkipExamplesIterable"):
         return f"{kind[:4].lower()}(n)"
-    stops_first = getattr(step, "stopping_strategy", "") == "first_exhausted"
-    if "CyclingMultiSources" in kind and stops_first:
-        return "interleave_datasets(..., stopping_strategy='first_exhausted')"
+    if "CyclingMultiSources" in kind:
+        strategy = getattr(step, "stopping_strategy", "?")
+        return f"interleave_datasets(..., stopping_strategy={strategy!r})"
+    if getattr(step, "with_indices", False):
+        if "Filtered" in kind:
+            return "filter(..., with_indices=True)"
+        return "map(..., with_indices=True) (add_column is one)"
     return ""
 
 

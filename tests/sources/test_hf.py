@@ -323,10 +323,16 @@ def test_lengths_are_unknown_when_the_pipeline_can_drop_or_add_rows(pipeline) ->
 
 @pytest.mark.parametrize(("step", "named"), [
     (lambda d: d.take(10), "take"), (lambda d: d.skip(5), "skip"),
-    (lambda d: datasets.interleave_datasets([d, d.map(double)]), "first_exhausted")])
+    (lambda d: datasets.interleave_datasets([d, d.map(double)]), "first_exhausted"),
+    (lambda d: datasets.interleave_datasets([d, d.take(3)], stopping_strategy="all_exhausted"),
+     "all_exhausted"),
+    (lambda d: d.add_column("label", list(range(100, 100 + N))), "map.*with_indices=True"),
+    (lambda d: d.filter(lambda _, i: i % 2 == 0, with_indices=True),
+     "filter.*with_indices=True")])
 def test_steps_that_differ_per_shard_are_refused_and_read_whole_instead(step, named) -> None:
     """Read shard by shard, ``take(10)`` would keep 10 samples spread over the shards, not the
-    stream's first 10; passed to ``ResumableLoader`` directly, the stream is read whole."""
+    stream's first 10, and an index given to ``map``/``filter`` restarts in every shard;
+    passed to ``ResumableLoader`` directly, the stream is read whole."""
     dataset = step(streamed())
     with pytest.raises(ValueError, match=f"shard by shard.*{named}.*ResumableLoader directly"):
         HFSource(dataset)
