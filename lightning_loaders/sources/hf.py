@@ -33,7 +33,9 @@ Resume
     loads it, so Hugging Face seeks (whole Arrow tables skipped, no ``map`` re-run on skipped
     rows) instead of replaying. A shuffle buffer's content is not in that state, so a shuffled
     dataset is reopened by re-reading the shard up to the position instead (exact, slower).
-    Opening at ``start`` without a state uses ``dataset.skip(start)``.
+    Opening at ``start`` without a state uses ``dataset.skip(start)``. A state is refused by a
+    source over other files (by name), or whose steps were built otherwise (a ``shuffle``
+    seed or buffer, a ``map``'s batching, features, format).
 
 Refused
     A dataset already split by rank with ``datasets.distributed.split_dataset_by_node``: pass
@@ -96,6 +98,7 @@ class HFSource(ShardedSource[Any]):
             raise ValueError("the dataset has no shards")
         steps = _steps(dataset._ex_iterable)
         self.pipeline = [_describe(step) for step in steps]
+        self._settings = [_settings(step) for step in steps]
         self.seekable = not any(type(step).__name__ == "BufferShuffledExamplesIterable"
                                 for step in steps)
         self._epoch = 0
@@ -133,7 +136,7 @@ class HFSource(ShardedSource[Any]):
     def fingerprint(self) -> str:
         features = self.dataset.features
         formatting = self.dataset._formatting
-        described = [self.pipeline, None if features is None else list(features),
+        described = [self.pipeline, self._settings, None if features is None else list(features),
                      None if formatting is None else formatting.format_type]
         return f"{super().fingerprint}:{digest(described)}"
 
@@ -310,6 +313,27 @@ def _describe(step: Any) -> str:
     function = getattr(step, "function", None)
     name = type(step).__name__
     return name if function is None else f"{name}({getattr(function, '__qualname__', '?')})"
+
+
+def _settings(step: Any) -> list[Any]:
+    """What a pipeline step was built with that changes what it yields, as plain values for
+    the fingerprint: its public numbers, strings and flags (``buffer_size``, ``batch_size``,
+    ``with_indices``, ...), its generator's seed (a ``shuffle(seed=...)``), and the files a
+    source reads (their names, as the file sources fingerprint them)."""
+    plain = (bool, int, float, str, type(None))
+    settings: list[Any] = [(name, value) for name, value in sorted(vars(step).items())
+                           if not name.startswith("_") and isinstance(value, plain)]
+    seed_seq = getattr(getattr(getattr(step, "generator", None), "bit_generator", None),
+                       "seed_seq", None)
+    entropy = getattr(seed_seq, "entropy", None)
+    if isinstance(entropy, int):
+        settings.append(("seed", entropy))
+    for name, value in sorted(getattr(step, "kwargs", {}).items()):
+        values = value if isinstance(value, list | tuple) else [value]
+        names = [os.path.basename(item) for item in values if isinstance(item, str)]
+        if names:
+            settings.append((name, names))
+    return settings
 
 
 def _known_lengths(dataset: HFIterableDataset, num_shards: int) -> list[int] | None:

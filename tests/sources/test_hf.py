@@ -436,6 +436,41 @@ def test_pickles_and_keeps_a_stable_fingerprint() -> None:
     assert source.fingerprint not in others and len(others) == 6
 
 
+def test_a_state_of_other_files_or_another_shuffle_seed_is_refused(tmp_path: Path) -> None:
+    """The fingerprint names the files read (as the file sources do) and how each step was
+    built (a ``shuffle`` seed and buffer, a ``map``'s batching): a state saved over other files
+    or another seed would resume another stream."""
+    for name in ("a0", "a1", "b0", "b1"):
+        rows(10).to_parquet(str(tmp_path / f"{name}.parquet"))
+
+    def parquet(prefix: str) -> Any:
+        files = [str(tmp_path / f"{prefix}{i}.parquet") for i in range(2)]
+        return datasets.load_dataset("parquet", data_files=files, streaming=True, split="train")
+
+    def state_after_a_batch(dataset: Any) -> dict[str, Any]:
+        loader = ResumableLoader(HFSource(dataset), batch_size=4)
+        next(iter(loader))
+        return loader.state_dict()
+
+    pairs = [(parquet("a"), parquet("b")),
+             (streamed().shuffle(seed=1, buffer_size=6), streamed().shuffle(seed=2, buffer_size=6)),
+             (streamed().shuffle(seed=1, buffer_size=6), streamed().shuffle(seed=1, buffer_size=8)),
+             (streamed().map(double_batch, batched=True, batch_size=4),
+              streamed().map(double_batch, batched=True, batch_size=8))]
+    for saved, other in pairs:
+        state = state_after_a_batch(saved)
+        with pytest.raises(ValueError, match="source: saved 'HFSource.*this loader 'HFSource"):
+            ResumableLoader(HFSource(other), batch_size=4).load_state_dict(state)
+        ResumableLoader(HFSource(saved), batch_size=4).load_state_dict(state)  # its own loads
+    code = ("import datasets, sys; from lightning_loaders.sources.hf import HFSource; "
+            "files = sys.argv[1:]; print(HFSource(datasets.load_dataset('parquet', "
+            "data_files=files, streaming=True, split='train')).fingerprint)")
+    files = [str(tmp_path / f"a{i}.parquet") for i in range(2)]
+    child = subprocess.run([sys.executable, "-c", code, *files], capture_output=True, text=True,
+                           check=True, timeout=120)
+    assert child.stdout.strip() == HFSource(parquet("a")).fingerprint  # the same in any process
+
+
 def test_importing_the_package_does_not_import_datasets() -> None:
     code = ("import sys, lightning_loaders, lightning_loaders.sources.hf; "
             "print('datasets' in sys.modules)")
