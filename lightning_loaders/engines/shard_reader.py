@@ -104,7 +104,8 @@ class SlotReader:
         """The shard and position being read, for error messages."""
         if self._piece >= len(self._pieces):
             return "after its last shard"
-        return f"shard {self._pieces[self._piece].shard}, reading from sample {self._offset}"
+        shard = self._source.describe_shard(self._pieces[self._piece].shard)
+        return f"{shard}, reading from sample {self._offset}"
 
     def close(self) -> None:
         iterator, self._it = self._it, None
@@ -200,17 +201,19 @@ class SlotReader:
             return (f"the {type(self._source.dataset).__name__} stream goes on past its len() "
                     f"({declared}): the samples after it would never be read. Fix __len__, or "
                     "drop it (a stream without len() is read to its end)")
-        return (f"shard {shard} goes on past its declared length ({declared}): the samples "
-                "after it would never be read. Fix the source's shard_lengths (or leave them "
-                "unknown)")
+        return (f"{self._source.describe_shard(shard)} goes on past its declared length "
+                f"({declared}): the samples after it would never be read. Fix the source's "
+                "shard_lengths (or leave them unknown), or rebuild a source over files that "
+                "changed since it was built")
 
     def _too_short(self, piece: Piece) -> str:
         if isinstance(self._source, PlainStream):
             lengths = self._source.shard_lengths
             return self._source.shorter_than_declared(
                 self._offset, lengths[0] if lengths else piece.stop or 0)
-        return (f"shard {piece.shard} ended at sample {self._offset}, but its declared length "
-                f"says it has at least {piece.stop}: fix the source's shard_lengths")
+        return (f"{self._source.describe_shard(piece.shard)} ended at sample {self._offset}, but "
+                f"its declared length says it has at least {piece.stop}: fix the source's "
+                "shard_lengths, or rebuild a source over files that changed since it was built")
 
 
 class SlotFetcher(Dataset[Any]):

@@ -35,6 +35,7 @@ class _ColumnarFiles(ShardedSource[dict[str, Any]]):
     """Columnar files cut into pieces (row groups, record batches): one shard per piece."""
 
     suffixes: tuple[str, ...] = ()
+    piece_name = "piece"  # what a shard of a file is (a Parquet row group, an Arrow batch)
 
     def __init__(self, paths: Paths, columns: Sequence[str] | None = None, *,
                  filesystem: Any = None) -> None:
@@ -72,6 +73,10 @@ class _ColumnarFiles(ShardedSource[dict[str, Any]]):
                    state: Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
         path, piece = self._shards[index]
         return self._rows(path, piece, start)
+
+    def describe_shard(self, index: int) -> str:
+        path, piece = self._shards[index]
+        return f"shard {index} ({path}, {self.piece_name} {piece})"
 
     @property
     def fingerprint(self) -> str:
@@ -114,6 +119,7 @@ class ParquetSource(_ColumnarFiles):
     """
 
     suffixes = (".parquet", ".parq", ".pq")
+    piece_name = "row group"
 
     def _describe(self, path: str, columns: list[str] | None) -> tuple[Any, list[int]]:
         import pyarrow.parquet as pq
@@ -145,6 +151,7 @@ class ArrowSource(_ColumnarFiles):
     """
 
     suffixes = (".arrow", ".feather", ".ipc")
+    piece_name = "record batch"
 
     def _describe(self, path: str, columns: list[str] | None) -> tuple[Any, list[int]]:
         import pyarrow as pa

@@ -72,6 +72,11 @@ class ShardedSource(IterableDataset[T]):
         ``state_dict()`` when it stood at sample ``start``.
         """
 
+    def describe_shard(self, index: int) -> str:
+        """Shard ``index`` as errors name it: with its file, when its descriptor is a path."""
+        shard = self.shards[index]
+        return f"shard {index} ({shard})" if isinstance(shard, str) else f"shard {index}"
+
     @property
     def fingerprint(self) -> str:
         """Changes whenever the shards would read differently; checked on resume."""

@@ -5,6 +5,7 @@ last-batch policy, row-group seeks, and a real 2-rank DDP Trainer run."""
 from __future__ import annotations
 
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -206,6 +207,22 @@ def test_bad_input_is_refused_with_the_fix(files, tmp_path) -> None:
         ParquetSource(text)
     with pytest.raises(ValueError, match="not an Arrow IPC file.*ipc.new_file"):
         ArrowSource(files[0])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize(("kind", "piece"), [("parquet", "row group"), ("arrow", "record batch")])
+def test_a_file_corrupt_past_its_footer_is_named_in_the_error(kind, piece, workers,
+                                                              tmp_path) -> None:
+    """The footer reads (construction succeeds), the data does not: the error names the file
+    and its row group or record batch, not only the shard's index."""
+    paths = (write_parquet if kind == "parquet" else write_arrow)(tmp_path)
+    source = (ParquetSource if kind == "parquet" else ArrowSource)(tmp_path)
+    data = bytearray(paths[0].read_bytes())
+    middle = slice(len(data) // 4, len(data) // 2)  # piece data, before the footer
+    data[middle] = bytes(byte ^ 0x5A for byte in data[middle])
+    paths[0].write_bytes(bytes(data))
+    with pytest.raises(Exception, match=rf"\({re.escape(str(paths[0]))}, {piece} \d\)"):
+        list(ResumableLoader(source, batch_size=4, num_workers=workers))
 
 
 @pytest.mark.parametrize("kind", ["parquet", "arrow"])
