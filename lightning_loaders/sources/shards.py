@@ -22,6 +22,7 @@ shards themselves.
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import os
 import struct
@@ -225,10 +226,20 @@ class LineFiles(_FileShards[T]):
     A sample is ``decode(line)`` (the line as ``str`` without its line ending when ``decode``
     is not given). A resume seeks to the saved byte offset; opening at another position reads
     and skips the lines before it. ``lengths="scan"`` counts the lines of every file.
+    Lines are split at the byte 0x0A before they are decoded, so ``encoding`` must write a
+    line feed as that one byte and never use it inside another character (UTF-8, Latin-1 and
+    other ASCII supersets do; UTF-16 and UTF-32 are refused).
     """
 
     def __init__(self, paths: Sequence[str | os.PathLike[str]], lengths: Lengths = None,
                  decode: Callable[[str], T] | None = None, encoding: str = "utf-8") -> None:
+        codecs.lookup(encoding)  # LookupError for an unknown encoding, now
+        # a line feed, then a character that UTF-16 and UTF-32 write with 0x0A bytes
+        if "\n\u0a0a".encode(encoding, errors="replace").count(b"\n") != 1:
+            raise ValueError(f"LineFiles splits lines at the byte \\n before decoding them, and "
+                             f"{encoding!r} is not an ASCII superset (it writes \\n otherwise, or "
+                             "uses that byte inside other characters): convert the files to "
+                             "UTF-8, or read them with a source of your own")
         self.encoding = encoding
         super().__init__(paths, lengths, decode)
 

@@ -81,6 +81,25 @@ def test_lines_strip_endings_and_keep_a_last_line_without_one(tmp_path: Path) ->
     assert _shard(source, 0, 1) == [["0", "1"], ["0", "2"]]
 
 
+@pytest.mark.parametrize("encoding", ["latin-1", "shift_jis"])
+def test_lines_in_an_ascii_superset_encoding(tmp_path: Path, encoding: str) -> None:
+    text = "caf\u00e9\nna\u00efve\n" if encoding == "latin-1" else "\u65e5\u672c\n\u8a9e\n"
+    path = tmp_path / "text.txt"
+    path.write_bytes(text.encode(encoding))
+    source = LineFiles([path], lengths="scan", encoding=encoding)
+    assert source.shard_lengths == [2] and _shard(source, 0) == text.splitlines()
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
+def test_an_encoding_that_is_no_ascii_superset_is_refused(tmp_path: Path, encoding: str) -> None:
+    """Lines are split at the byte 0x0A before decoding: UTF-16 writes a line feed as two
+    bytes, and 0x0A bytes inside other characters ("\u010a" in UTF-16-BE is 01 0A)."""
+    with pytest.raises(ValueError, match=f"{encoding!r} is not an ASCII superset.*UTF-8"):
+        LineFiles(_lines(tmp_path, [2]), encoding=encoding)
+    with pytest.raises(LookupError):
+        LineFiles(_lines(tmp_path, [2]), encoding="no-such-codec")
+
+
 def test_a_truncated_record_file_says_what_is_wrong(tmp_path: Path) -> None:
     path = _records(tmp_path, [3])[0]
     path.write_bytes(path.read_bytes()[:-2])
