@@ -5,8 +5,9 @@ The shards are the dataset's own (``dataset.num_shards``: its files, the shards 
 ``i`` is read through ``dataset.shard(num_shards, i)``, so everything the user applied to the
 dataset (``map``, ``filter``, ``select_columns``, ``with_format``, ...) still applies. The loader
 decides which (rank, worker) slot reads which shard and reshuffles the shard order per epoch
-from its seed; Hugging Face's own splitting by worker and rank is never used, so the stream does
-not depend on ``num_workers``.
+from its seed; Hugging Face's own splitting by worker and rank is never used, so the stream is
+the loader's plan (with known lengths, over partitions kept for the run whatever
+``num_workers`` becomes).
 
 Lengths
     ``lengths="auto"`` declares ``shard_lengths`` when they are known without reading the
@@ -40,8 +41,8 @@ Resume
 Refused
     A dataset already split by rank with ``datasets.distributed.split_dataset_by_node``: pass
     the unsplit dataset, the loader shards it. A dataset of several shards with a step that
-    gives other samples when it runs per shard (``take``, ``skip``, ``interleave_datasets``
-    stopping at the first exhausted source): pass it to ``ResumableLoader`` directly. A
+    gives other samples when it runs per shard (``take``, ``skip``, ``interleave_datasets``,
+    ``map``/``filter`` with ``with_indices=True``): pass it to ``ResumableLoader`` directly. A
     map-style ``datasets.Dataset`` is not a source: give it to ``ResumableLoader`` directly (it
     is read through its ``__getitems__``).
 
