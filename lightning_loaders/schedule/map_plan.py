@@ -58,13 +58,19 @@ class EpochPlan:
             raise ValueError(f"need 0 <= start <= stop, got start={self.start}, stop={self.stop}")
         if (self.last_batch == "keep" and self._short_tail() and not self._can_rebalance()
                 and not self._merges_tail()):
-            fix = (f"evaluate on at most {self.stop - self.start} ranks" if self.merge_short_tail
-                   else "use last_batch='pad' or 'drop', "
-                   f"{keep_fix(self.batch_size)}or at most {self.stop - self.start} ranks")
+            samples, g = self.stop - self.start, self.global_batch_size
+            if samples < g:
+                what, ranks = f"{samples} samples", f"at most {samples} ranks"
+            else:  # batch_size=1: the full global batches cannot give one sample per rank
+                what, ranks = (f"the {samples % g} samples left after {samples // g} full "
+                               "global batches"), ""
+            if self.merge_short_tail:
+                fix = f"evaluate on {ranks}"
+            else:
+                fix = f"use last_batch='pad' or 'drop', {keep_fix(self.batch_size)}or {ranks}"
             raise ValueError(
                 f"last_batch='keep' cannot give each of {self.world_size} ranks a non-empty last "
-                f"batch from {self.stop - self.start} samples with batch_size={self.batch_size}; "
-                f"{fix}"
+                f"batch from {what} with batch_size={self.batch_size}; {fix}".removesuffix(", or ")
             )
 
     @property

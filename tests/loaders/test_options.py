@@ -69,7 +69,11 @@ BAD_SETTINGS = [
      r"leaves no batch: 3 samples .* 4 ranks x batch_size 1; use a smaller batch_size, "
      r"fewer ranks, or last_batch='pad'"),
     (3, {"rank": 0, "world_size": 4}, ValueError,
-     r"cannot give each of 4 ranks a non-empty last batch from 3 samples.*'pad'"),
+     r"cannot give each of 4 ranks a non-empty last batch from 3 samples.*'pad'.*"
+     r"or at most 3 ranks$"),
+    (13, {"rank": 0, "world_size": 2}, ValueError,
+     r"non-empty last batch from the 1 samples left after 6 full global batches with "
+     r"batch_size=1; use last_batch='pad' or 'drop', a batch_size >= 2$"),
     (5, {"last_batch": "rollover", "batch_size": 4, "rank": 0, "world_size": 2}, ValueError,
      r"rollover' needs at least one global batch per epoch.*batch_size <= 2"),
     ("empty", {}, ValueError, r"the dataset \(Empty\) is empty.*DataLoader would yield no "
