@@ -122,6 +122,7 @@ class MapStyleLoader(ResumableLoader):
                                     options.rank, options.world_size,
                                     merge_short_tail=options.evaluation)
         _check_plan(self.schedule)
+        self._follow_mix()
         self.sampler = SizedEpochSampler(self.schedule)
         self.batch_sampler: Any = None  # DataLoader's surface: Lightning's evaluation reads it
         self._unbatched: Unbatched = unbatched
@@ -270,11 +271,18 @@ class MapStyleLoader(ResumableLoader):
     def _open_epoch(self) -> Iterator[Any]:
         self._refresh_order()
         schedule = self.schedule
+        self._follow_mix()
         schedule.begin_epoch()
         self._restored = False
         self._window.resumed(schedule.epoch, schedule.batches)
         self._epoch_restarts = 0
         return self._deliver()
+
+    def _follow_mix(self) -> None:
+        """A ``Mix``'s order learns where delivery stands (``set_weights`` refuses past steps),
+        again in a copied loader."""
+        if isinstance(self.dataset, Mix):
+            self.dataset.order.follow(self.schedule.frontier)
 
     def _refresh_order(self) -> None:
         """Between epochs, follow a dataset whose ``len()`` changed, and a sampler changed in

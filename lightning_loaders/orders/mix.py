@@ -37,7 +37,8 @@ checkpoints that counted draws at or after their step.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -59,6 +60,7 @@ _CHUNK_BITS = 16
 _CHUNK = 1 << _CHUNK_BITS
 _SMALL_SOURCE = 4096  # sources up to this size are permuted by sorting hashes
 _EPOCHS_KEPT = 2  # epochs whose checkpoints are kept (a prefetch, or rollover, spans two)
+_PROBED_STEPS = sorted({0, *(m << k for k in range(24) for m in (1, 3))})  # 0 .. 2**24, sparse
 
 Weights = Any  # a sequence (or array, tensor) of one non-negative weight per source
 
@@ -75,9 +77,11 @@ class WeightSchedule:
     """The sources' weights as a function of the global step.
 
     Args:
-        weights: one weight per source (constant); or ``(step, weights)`` breakpoints, the
-            first at step 0, each holding until the next; or a callable ``step -> weights``,
-            which must be a pure function of the step (it is called again on resume).
+        weights: one weight per source (constant); or ``(step, weights)`` breakpoints (a list
+            of pairs, or a dict ``{step: weights}``), the first at step 0, each holding until
+            the next; or a callable ``step -> weights``, which must be a pure function of the
+            step (it is called again on resume; its weights at a few steps up to 2**24 are
+            its fingerprint).
         num_sources: how many weights each step has.
     """
 
@@ -88,7 +92,8 @@ class WeightSchedule:
             self._fn = weights
             self.steps = np.zeros(0, dtype=np.int64)
             self.table: list[np.ndarray] = []
-            self.fingerprint = f"callable {getattr(weights, '__qualname__', type(weights))}"
+            name = getattr(weights, "__qualname__", type(weights).__name__)
+            self.fingerprint = f"callable {name} {digest(_probed(weights, num_sources))}"
             return
         steps, table = _breakpoints(weights, num_sources)
         self.steps, self.table = steps, table
@@ -111,9 +116,22 @@ class WeightSchedule:
         return _checked(self._fn(key), self.num_sources, f"weights({key})")
 
 
+def _probed(fn: Callable[[int], Weights], num_sources: int) -> list[Any]:
+    """What a schedule callable gives at ``_PROBED_STEPS`` (an error's type where it raises):
+    its fingerprint, so that a function edited between a save and a resume is refused."""
+    out: list[Any] = []
+    for step in _PROBED_STEPS:
+        try:
+            out.append(_checked(fn(step), num_sources, f"weights({step})").tolist())
+        except Exception as exc:  # a schedule defined only over the run's steps
+            out.append(type(exc).__name__)
+    return out
+
+
 def _breakpoints(weights: Any, num_sources: int) -> tuple[np.ndarray, list[np.ndarray]]:
-    """``(steps, weights per segment)`` of constant weights or ``(step, weights)`` pairs."""
-    items = list(weights)
+    """``(steps, weights per segment)`` of constant weights, ``(step, weights)`` pairs, or a
+    dict of them."""
+    items = sorted(weights.items()) if isinstance(weights, Mapping) else list(weights)
     pairs = items and all(isinstance(item, tuple | list) and len(item) == 2
                           and not np.isscalar(item[1]) for item in items)
     if not pairs:
@@ -147,11 +165,12 @@ class MixOrder:
         batch_size: samples per global step (per-rank batch size x world size), needed to
             place weight changes at steps; ``None`` allows only constant weights.
         seed: keys every draw; ``None`` takes the loader's seed (``bind``).
+        members: what each source is (its own fingerprint, or its type), for the fingerprint.
     """
 
     def __init__(self, lengths: Sequence[int], schedule: WeightSchedule, mode: MixMode,
                  samples_per_epoch: int | None, batch_size: int | None,
-                 seed: int | None) -> None:
+                 seed: int | None, members: Sequence[str] = ()) -> None:
         if mode not in MIX_MODES:
             raise ValueError(f"mode must be one of {MIX_MODES}, got {mode!r}")
         self.lengths = np.asarray(lengths, dtype=np.int64)
@@ -160,6 +179,7 @@ class MixOrder:
                              f"{self.lengths.tolist()}")
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
         self.schedule, self.mode, self.seed = schedule, mode, seed
+        self.members = list(members)
         if batch_size is not None and (not isinstance(batch_size, int)
                                        or isinstance(batch_size, bool) or batch_size < 1):
             raise ValueError(f"batch_size must be an int >= 1 (samples per global step), got "
@@ -187,6 +207,7 @@ class MixOrder:
                                  f"{samples_per_epoch!r}")
         self.version = 0
         self._overrides: list[tuple[int, np.ndarray]] = []
+        self._frontier: weakref.WeakMethod[Any] | None = None
         # Memos: draw counts per source at chunk starts ({epoch: {chunk: counts}}, the epochs
         # last counted in), and the last chunk's draw counts at every position.
         self._checkpoints: dict[int, dict[int, np.ndarray]] = {}
@@ -205,7 +226,8 @@ class MixOrder:
 
     @property
     def fingerprint(self) -> str:
-        return (f"mix(lengths={digest(self.lengths.tolist())}, mode={self.mode}, "
+        return (f"mix(lengths={digest(self.lengths.tolist())}, members={digest(self.members)}, "
+                f"mode={self.mode}, "
                 f"samples_per_epoch={self.samples_per_epoch}, batch_size={self.batch_size}, "
                 f"{self.schedule.fingerprint})")
 
@@ -258,12 +280,35 @@ class MixOrder:
             return self._overrides[-1 - key][1]
         return self.schedule.weights(key)
 
+    def follow(self, frontier: Callable[[], tuple[int, int] | None]) -> None:
+        """Learn where delivery stands from ``frontier`` (a loader's schedule's: ``(epoch,
+        first position not delivered)``), held weakly, so that ``set_weights`` refuses a step
+        whose samples were delivered already."""
+        self._frontier = weakref.WeakMethod(frontier)
+
+    def next_step(self) -> int | None:
+        """The first global step with samples not delivered yet (``None``: unknown, before
+        the loader that plans this order starts, or without ``batch_size``)."""
+        reference = self._frontier
+        frontier = reference() if reference is not None else None
+        where = frontier() if frontier is not None else None
+        if where is None or self.batch_size is None:
+            return None
+        epoch, position = where
+        per_epoch = -(-self.samples_per_epoch // self.batch_size)
+        return epoch * per_epoch - (-position // self.batch_size)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy follows no loader until the copied loader starts."""
+        return {**self.__dict__, "_frontier": None}
+
     def set_weights(self, weights: Weights, step: int) -> None:
         """Use ``weights`` from global ``step`` on, replacing the schedule from there.
 
         Call it at the same step on every rank with the same weights (checked when a process
-        group is initialised), with ``step`` no earlier than the next batch to be planned (in a
-        Lightning callback: ``trainer.global_step``) and no earlier than the last change.
+        group is initialised), with ``step`` no earlier than the first step not delivered yet
+        (``next_step()``; in a Lightning callback, ``trainer.global_step`` while the mixture's
+        ``batch_size`` is the trainer's global batch) and no earlier than the last change.
         """
         if self.mode == "stop":
             raise ValueError("mode='stop' needs constant weights (see MixOrder); use "
@@ -277,6 +322,14 @@ class MixOrder:
         if self._overrides and step < self._overrides[-1][0]:
             raise ValueError(f"set_weights at step {step} is earlier than the last change (step "
                              f"{self._overrides[-1][0]}): weight changes must be in step order")
+        first = self.next_step()
+        if first is not None and step < first:
+            raise ValueError(
+                f"set_weights from step {step}, but the samples of the steps before {first} "
+                f"were delivered already (batch_size={self.batch_size} samples per step): a "
+                "change there would not be what was trained on, nor what a resume reads. Give "
+                f"a step >= {first} (mix.next_step()); after a resume on another world size, "
+                "trainer.global_step counts other steps than the mixture's batch_size")
         new = _checked(weights, self.lengths.size, "set_weights")
         check_same_on_every_rank(new)
         overrides = [o for o in self._overrides if o[0] < step]

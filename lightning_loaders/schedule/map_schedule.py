@@ -115,6 +115,19 @@ class MapSchedule(EpochOwner):
         """Count one batch handed to the caller."""
         self.batches += 1
 
+    def frontier(self) -> tuple[int, int] | None:
+        """``(epoch, position)``: the first position of the epoch not delivered yet, a restored
+        state's until it applies (``None`` before any epoch, and under ``"rollover"``, whose
+        plans count stream positions)."""
+        state = self._pending
+        if self.last_batch == "rollover" or (state is None and self.plan is None):
+            return None
+        if state is not None:
+            plan = self.plan_for(state.epoch, state.world_size, state.offset_position)
+            return state.epoch, plan.consumed(state.batches - state.offset_batches)
+        assert self.plan is not None and self.epoch is not None
+        return self.epoch, self.plan.consumed(self.batches - self._offset_batches)
+
     def requests(self) -> Iterator[BatchRequest]:
         """This rank's remaining batch requests of the current epoch, from the cursor on."""
         assert self.plan is not None and self.epoch is not None

@@ -69,22 +69,28 @@ class Mix(Dataset[Any]):
         lengths = [len(member) for member in members]
         self._starts = [int(s) for s in np.concatenate([[0], np.cumsum(lengths)[:-1]])]
         self._total = int(sum(lengths))
-        self._order: MixOrder | None = MixOrder(
+        self._order = MixOrder(
             lengths, WeightSchedule(weights, len(members)), mode, samples_per_epoch, batch_size,
-            None if seed is None else checked_seed(seed))
+            None if seed is None else checked_seed(seed), [_identity(m) for m in members])
 
     @property
     def order(self) -> MixOrder:
-        """The mixture's order (only in the process that built the ``Mix``)."""
-        if self._order is None:
-            raise RuntimeError("a Mix copied into a worker process has no order: the loader "
-                               "plans in the main process")
+        """The mixture's order; a copy of the ``Mix`` (a pickled or deep-copied loader) keeps
+        it, shared with the copied loader's plan."""
         return self._order
 
-    def set_weights(self, weights: Any, step: int) -> None:
-        """Use ``weights`` from global ``step`` on (see ``MixOrder.set_weights``): in a Lightning
-        callback, ``mix.set_weights(w, trainer.global_step)`` applies from the next batch."""
+    def set_weights(self, weights: Any, step: int | None = None) -> None:
+        """Use ``weights`` from global ``step`` on (see ``MixOrder.set_weights``); by default
+        from the first step not delivered yet (``next_step()``), the next batch: in a Lightning
+        callback, ``mix.set_weights(w)``."""
+        if step is None:
+            step = self.order.next_step() or 0
         self.order.set_weights(weights, step)
+
+    def next_step(self) -> int | None:
+        """The first global step with samples not delivered yet (``None`` before the loader
+        starts)."""
+        return self.order.next_step()
 
     def weights_at(self, step: int) -> np.ndarray:
         """The weights in force at global ``step``."""
@@ -120,16 +126,11 @@ class Mix(Dataset[Any]):
                 out[slot] = sample
         return out
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Workers get the sources only: the order (and a schedule callable) stays here."""
-        return {**self.__dict__, "_order": None}
-
     def __repr__(self) -> str:
-        order = self._order
+        order = self.order
         kinds = ", ".join(type(m.source if isinstance(m, _ShardRows) else m).__name__
                           for m in self.sources)
-        mode = f", mode={order.mode!r}, samples_per_epoch={len(order)}" if order else ""
-        return f"Mix([{kinds}]{mode})"
+        return f"Mix([{kinds}], mode={order.mode!r}, samples_per_epoch={len(order)})"
 
 
 class _ShardRows:
@@ -179,3 +180,11 @@ def _random_access(source: Any, k: int) -> Any:
     if len(source) < 1:
         raise ValueError(f"Mix source {k} ({type(source).__name__}) is empty")
     return source
+
+
+def _identity(member: Any) -> str:
+    """What a member is, for the mixture's fingerprint: a source's own fingerprint (its files,
+    columns, pipeline), else its type."""
+    source = member.source if isinstance(member, _ShardRows) else member
+    fingerprint = getattr(source, "fingerprint", None)
+    return fingerprint if isinstance(fingerprint, str) else type(source).__name__

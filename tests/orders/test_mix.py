@@ -154,6 +154,34 @@ def test_a_callable_schedule_is_evaluated_per_step() -> None:
     assert order.fingerprint != make().fingerprint
 
 
+def _halves(step: int) -> list[float]:
+    return [1, 0] if step < 1000 else [0, 1]
+
+
+def _halves_edited(step: int) -> list[float]:
+    return [1, 0] if step < 1024 else [0, 1]
+
+
+def test_a_callable_schedules_fingerprint_is_what_it_gives_not_its_name() -> None:
+    """A schedule function edited between a save and a resume must be refused: its weights at
+    a few steps are its fingerprint. One that raises past the run's steps is fingerprinted by
+    the error's type there."""
+    def fingerprint(fn: Any) -> str:
+        return WeightSchedule(fn, 2).fingerprint
+
+    assert fingerprint(_halves) == fingerprint(_halves)
+    assert fingerprint(_halves) != fingerprint(_halves_edited)
+    table = [[1, 1]] * 100
+    assert fingerprint(table.__getitem__) == fingerprint(table.__getitem__)  # raises past 99
+
+
+def test_a_dict_of_breakpoints_is_a_schedule() -> None:
+    as_dict = WeightSchedule({5: [0.2, 0.3, 0.5], 0: [1, 1, 1]}, 3)
+    assert as_dict.fingerprint == WeightSchedule(SCHEDULE, 3).fingerprint
+    with pytest.raises(ValueError, match="increasing ints from 0"):
+        WeightSchedule({1: [1, 1, 1]}, 3)
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"weights": [(1, [1, 1, 1])]}, "increasing ints from 0"),
     ({"weights": [1, 1]}, "one weight per source"),

@@ -4,8 +4,10 @@ step with and without workers, weight changes mid-epoch, and elastic resume acro
 
 from __future__ import annotations
 
+import copy
 import pickle
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -48,9 +50,43 @@ def test_indices_reach_every_source_and_batches_keep_their_order(tmp_path: Path)
     with pytest.raises(IndexError):
         mix.source_of(62)
     copy = pickle.loads(pickle.dumps(mix))
-    assert copy[13] == mix[13]
-    with pytest.raises(RuntimeError, match="no order"):
-        _ = copy.order
+    assert copy[13] == mix[13] and copy.order.fingerprint == mix.order.fingerprint
+
+
+@pytest.mark.parametrize("duplicate", [copy.deepcopy, lambda x: pickle.loads(pickle.dumps(x))],
+                         ids=["deepcopy", "pickle"])
+def test_a_copied_loader_changes_the_weights_of_its_own_stream(duplicate: Any) -> None:
+    """A loader copied before its first ``iter()`` (a config tool, ``ddp_spawn``) keeps its
+    ``Mix``'s order, shared with its plan: ``set_weights`` on the copy's dataset steers it."""
+    def make() -> ResumableLoader:
+        mix = Mix([list(range(5)), list(range(100, 107))], [1, 1], batch_size=4,
+                  samples_per_epoch=24)
+        return ResumableLoader(mix, batch_size=4)
+
+    original, copied = make(), duplicate(make())
+    copied.dataset.set_weights([0, 1], 2)
+    assert copied.dataset.order is copied.schedule.order
+    batches = [batch.tolist() for batch in copied]
+    assert all(i >= 100 for batch in batches[2:] for i in batch)
+    assert batches[:2] == [batch.tolist() for batch in original][:2]
+
+
+def test_a_state_over_other_member_files_is_refused(tmp_path: Path) -> None:
+    """The mixture's fingerprint holds each member's own: a state saved over other files of
+    the same lengths would read other samples."""
+    for name in ("a", "b"):
+        write_records(tmp_path / f"{name}.rec", [bytes([i]) for i in range(6)])
+
+    def make(name: str) -> ResumableLoader:
+        records = RecordFiles([tmp_path / f"{name}.rec"], lengths="scan",
+                              decode=lambda payload: torch.tensor(payload[0]))
+        return ResumableLoader(Mix([records, torch.arange(4)], [1, 1]), batch_size=2)
+
+    saved = make("a")
+    next(iter(saved))
+    with pytest.raises(ValueError, match="order: saved 'mix"):
+        make("b").load_state_dict(saved.state_dict())
+    make("a").load_state_dict(saved.state_dict())
 
 
 def test_a_record_file_source_is_read_by_random_access(tmp_path: Path) -> None:
@@ -117,6 +153,48 @@ def test_a_sampler_or_shuffle_is_refused_but_make_resumable_works(tmp_path: Path
         ResumableLoader(mix, batch_size=4, sampler=torch.utils.data.RandomSampler(mix))
     converted = make_resumable(DataLoader(mix, batch_size=4), seed=3)
     assert run_epochs(converted, [0], key=key) == run_epochs(loader(tmp_path), [0], key=key)
+
+
+def _lists_mix(rank: int = 0, world_size: int = 1) -> ResumableLoader:
+    """Three list sources mixed in steps of 8 samples, read in batches of ``8 // world_size``
+    per rank before an elastic resume, 4 after."""
+    sources = [list(range(1000 * k, 1000 * k + n)) for k, n in enumerate((40, 40, 40))]
+    mix = Mix(sources, [1, 1, 1], samples_per_epoch=96, batch_size=8)
+    return ResumableLoader(mix, batch_size=4, seed=0, rank=rank, world_size=world_size)
+
+
+def test_a_weight_change_at_a_delivered_step_is_refused() -> None:
+    """A change from a step whose samples were delivered would not be what was trained on,
+    nor what a resume reads; by default a change starts at the first step not delivered."""
+    made = _lists_mix()
+    batches = iter(made)
+    first = [next(batches).tolist() for _ in range(4)]  # steps 0 and 1 (8 samples a step)
+    mix = made.dataset
+    assert mix.next_step() == 2
+    with pytest.raises(ValueError, match="steps before 2 were delivered already.*step >= 2"):
+        mix.set_weights([0, 1, 1], 1)
+    mix.set_weights([0, 0, 1])
+    rest = [batch.tolist() for batch in batches]
+    assert mix.weights_at(1).tolist() == [1, 1, 1] and mix.weights_at(2).tolist() == [0, 0, 1]
+    assert all(i >= 2000 for batch in rest for i in batch) and len(first + rest) == 24
+
+
+def test_after_an_elastic_resume_the_next_step_counts_the_mixtures_steps() -> None:
+    """Resumed from 2 ranks on 4 (batch 4 each, 16 samples a trainer step), the mixture's steps
+    (8 samples) run twice as fast as the trainer's: ``trainer.global_step`` is a past step."""
+    made = _lists_mix(0, 2)
+    batches = iter(made)
+    for _ in range(3):  # 3 steps of 8 samples
+        next(batches)
+    state = made.state_dict()
+    resumed = _lists_mix(0, 4)
+    resumed.load_state_dict(state)
+    assert resumed.dataset.next_step() == 3
+    with pytest.warns(UserWarning, match="elastic resume from world size 2 to 4"):
+        next(iter(resumed))  # positions 24..39: steps 3 and 4
+    assert resumed.dataset.next_step() == 5
+    with pytest.raises(ValueError, match="trainer.global_step counts other steps"):
+        resumed.dataset.set_weights([0, 1, 1], 4)
 
 
 def test_set_weights_mid_epoch_applies_from_the_next_batch_and_resumes(tmp_path: Path) -> None:
