@@ -13,8 +13,9 @@ partitions)`` of them); the epoch's one short batch (``"keep"``/``"pad"``) is it
 So the sequence of items is a pure function of ``(seed, epoch, partitions, batch_size)`` and
 the shards, whatever the layout. Rank ``r`` of ``world_size`` delivers items ``r, r +
 world_size, ...`` in full rounds of ``world_size`` items; the last, incomplete round is split
-evenly over the ranks (``"keep"``), padded from the start of the partitions (``"pad"``) or
-dropped (``"drop"``), so every rank has the same number of batches.
+evenly over the ranks (``"keep"``; with fewer samples than ranks, the last full round gives up
+one sample per rank to it, as the map-style plan does), padded from the start of the
+partitions (``"pad"``) or dropped (``"drop"``), so every rank has the same number of batches.
 
 A resumed epoch deals the items left from the cursor's item (``first``) to the new layout, so
 nothing is repeated or lost; only the split of that last round depends on the layout.
@@ -104,17 +105,22 @@ def deal(config: PlanConfig, epoch: int, partitions: int, world_size: int,
         sizes: tuple[int, ...] = (size,) * world_size
     elif samples >= world_size:
         sizes = split(samples, world_size, size)
+    elif size >= 2 and rounds:  # the last full round gives up a sample per rank, as map plans
+        tail = [ranks[r].pop()[0] for r in range(world_size)] + tail
+        sizes = split(samples + world_size * (size - 1), world_size, size) + (1,) * world_size
     elif config.merge_short_tail and rounds:
         for r, segment in enumerate(_cut(tail, (1,) * samples)):
             ranks[r][-1] += segment
         return tuple(tuple(batches) for batches in ranks)
     else:
+        fix = (f"resume on at most {samples} ranks, or from a checkpoint at an epoch's end"
+               if first else f"use last_batch='pad' or 'drop', {keep_fix(size)}or "
+               "evaluation=True")
         raise ValueError(
             f"last_batch='keep' cannot give each of {world_size} ranks a non-empty last batch "
-            f"from the {samples} samples left with batch_size={size}; use last_batch='pad' or "
-            f"'drop', {keep_fix(size)}or evaluation=True")
+            f"from the {samples} samples left with batch_size={size}; {fix}")
     for r, batch in enumerate(_cut(tail, sizes)):
-        ranks[r].append(batch)
+        ranks[r % world_size].append(batch)
     return tuple(tuple(batches) for batches in ranks)
 
 

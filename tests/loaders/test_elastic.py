@@ -104,6 +104,24 @@ def test_two_by_two_checkpoints_resume_exactly_once_on_other_layouts(source_fact
         assert sorted(following) == list(range(TOTAL)), (world, workers)
 
 
+@pytest.mark.parametrize("world", [3, 4])
+def test_a_resume_on_more_ranks_borrows_from_the_last_full_round(source_factory, world) -> None:
+    """68 samples in batches of 3 are 22 full items and one of 2. Resumed on more ranks, the
+    last round can hold fewer samples than ranks: the last full round gives each rank's
+    last batch a sample, as the map-style plan does. Only a cursor with nothing but that short
+    item left (no full round to borrow from) is refused, naming a resume that works."""
+    items = -(-TOTAL // 3)
+    for steps in range(1, items // 2 + 1):
+        states, seen = _states_after(source_factory, 2, 1, 0, steps, partitions=12)
+        if items - 2 * steps == 1:
+            with pytest.raises(ValueError, match="from the 2 samples left.*resume on at most 2 "
+                                                 "ranks, or from a checkpoint at an epoch's end"):
+                _rest(source_factory, states[0], world, 0, epochs=1, partitions=12)
+            continue
+        (rest,) = _rest(source_factory, states[0], world, 0, epochs=1, partitions=12)
+        assert sorted(seen + rest) == list(range(TOTAL)), steps
+
+
 def test_a_resumed_resume_under_a_third_layout_is_exact(source_factory) -> None:
     states, seen = _states_after(source_factory, 2, 2, epoch=0, steps=2)
     middle = []

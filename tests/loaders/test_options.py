@@ -252,16 +252,26 @@ def test_another_world_size_is_accepted_except_under_rollover() -> None:
         next(iter(rollover))
 
 
-@pytest.mark.parametrize(("size", "fix"), [(1, "a batch_size >= 2"),
-                                           (4, "a batch_size that leaves at least one sample")])
-def test_too_few_leftovers_for_the_ranks_name_a_fix_that_changes_something(size, fix) -> None:
-    """25 samples on 2 ranks: 1 left after the full global batches of 4 (and of 1, on 3)."""
-    total, world = (25, 2) if size == 4 else (7, 3)
-    with pytest.raises(ValueError, match=f"last_batch='keep' cannot give each of {world} ranks"
-                                         f".*batch_size={size}; use last_batch='pad' or 'drop', "
-                                         f"{fix}"):
-        list(ResumableLoader(SequenceSource([list(range(total))]), batch_size=size, rank=0,
-                             world_size=world))
+def test_too_few_leftovers_for_the_ranks_name_a_fix_that_changes_something() -> None:
+    """7 samples on 3 ranks in batches of 1: 1 left after the full global batches, which
+    batches of 1 cannot give up a sample to."""
+    with pytest.raises(ValueError, match="last_batch='keep' cannot give each of 3 ranks"
+                                         ".*batch_size=1; use last_batch='pad' or 'drop', "
+                                         "a batch_size >= 2"):
+        list(ResumableLoader(SequenceSource([list(range(7))]), batch_size=1, rank=0,
+                             world_size=3))
+
+
+def test_too_few_leftovers_take_a_sample_per_rank_from_the_last_full_round() -> None:
+    """25 samples on 2 ranks in batches of 4: 1 left after three full global batches; as a
+    map-style plan does, the third gives up a sample per rank, so each rank's last batch has
+    one and every sample is read once."""
+    ranks = [[batch.tolist() for batch in ResumableLoader(
+        SequenceSource([list(range(25))]), batch_size=4, rank=rank, world_size=2)]
+        for rank in range(2)]
+    assert [[len(batch) for batch in batches] for batches in ranks] == [[4, 4, 4, 1],
+                                                                       [4, 4, 3, 1]]
+    assert sorted(i for batches in ranks for b in batches for i in b) == list(range(25))
 
 
 @pytest.mark.parametrize(("size", "fix"), [(1, "a batch_size >= 2"),
