@@ -245,6 +245,7 @@ class ThreadPool:
         self._outbox: queue.SimpleQueue[_Result] = queue.SimpleQueue()
         self._generation = 0
         self._stalled: set[int] = set()
+        self._owner = os.getpid()  # a forked child has none of the threads
 
     @property
     def threads(self) -> list[threading.Thread]:
@@ -265,7 +266,7 @@ class ThreadPool:
         """Stop the threads and wait for them (a thread finishes the fetch it is in first; one
         reported stalled is left to finish on its own, and joined at exit)."""
         workers, self._workers = self._workers, None
-        if workers is None:
+        if workers is None or self._owner != os.getpid():
             return
         _stop(workers)
         _join([worker for w, worker in enumerate(workers)
@@ -299,6 +300,7 @@ class ThreadPool:
 
 _RUNNING: set[_Worker] = set()
 """The threads started, whatever became of their pools (pruned as pools start)."""
+os.register_at_fork(after_in_child=_RUNNING.clear)  # a forked child runs none of them
 
 
 @atexit.register

@@ -116,6 +116,7 @@ class ProcessPool:
         self._stop: Any = None
         self._start_deadline: float | None = None
         self._stalled: set[int] = set()  # workers reported stalled (killed at close)
+        self._owner = os.getpid()  # only this process may stop the workers
 
     def __iter__(self) -> _ProcessIterator:
         if self.workers and not self.persistent_workers:
@@ -129,10 +130,12 @@ class ProcessPool:
     def close(self) -> None:
         """Stop the workers: each is asked to exit after the fetch it is in, and killed if it
         has not within ``JOIN_S`` (one reported stalled is killed at once, so a timeout's
-        error comes on time); then the slots of their rings are unlinked."""
+        error comes on time); then the slots of their rings are unlinked. In a process forked
+        from the owner (a worker of another loader, the user's ``os.fork()``), the copy is
+        only dropped: the workers and rings are the owner's."""
         workers, self.workers = self.workers, []
         stalled, self._stalled = self._stalled, set()
-        if not workers:
+        if not workers or self._owner != os.getpid():
             return
         _LIVE.discard(self)
         self._stop.value = 1  # requests sent and not started are dropped
@@ -218,6 +221,22 @@ class ProcessPool:
 
 
 _LIVE: weakref.WeakSet[ProcessPool] = weakref.WeakSet()
+
+
+def _forget_live_pools() -> None:
+    """In a child forked from the owner (``os.fork()`` in user code): it owns none of the
+    pools. Their workers also leave multiprocessing's list of this process's children, where
+    a plain fork keeps them and whence its exit would terminate them, the owner's daemons
+    (torch's ``DataLoader`` workers die that way)."""
+    children = getattr(multiprocessing.process, "_children", None)
+    for pool in list(_LIVE):
+        for worker in pool.workers:
+            if isinstance(children, set):
+                children.discard(worker.process)
+    _LIVE.clear()
+
+
+os.register_at_fork(after_in_child=_forget_live_pools)
 
 
 @atexit.register

@@ -9,6 +9,9 @@ import multiprocessing
 import os
 import random
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +32,7 @@ from lightning_loaders.errors import WorkerCrashedError, WorkerTimeoutError
 from lightning_loaders.sources.shards import SequenceSource
 from lightning_loaders.testing import run_epochs
 from tests.conftest import IndexDataset, loader_processes
+from tests.ddp_harness import REPO
 from tests.lightning_harness import RecordingModule, make_trainer
 from tests.scripts.chaos_train import TrainingZygote, read_log
 
@@ -191,6 +195,46 @@ def test_workers_exit_when_their_parent_is_killed(tmp_path) -> None:
     os.kill(parent.pid, signal.SIGKILL)
     parent.join()
     _assert_all_gone(children)
+
+
+_FORK_MID_EPOCH = textwrap.dedent("""
+    import gc, os, sys, time
+    import torch
+    from lightning_loaders import ResumableLoader
+
+    class Slow(torch.utils.data.Dataset):
+        def __len__(self): return 32
+        def __getitem__(self, i): time.sleep(0.005); return i
+
+    loader = ResumableLoader(Slow(), batch_size=4, num_workers=2, backend=sys.argv[1],
+                             max_worker_restarts=0)
+    got = []
+    for k, batch in enumerate(loader):
+        got += batch.tolist()
+        if k == 2:
+            start = time.monotonic()
+            pid = os.fork()
+            if pid == 0:  # a process the user forks: it cleans up and exits normally
+                gc.collect()
+                loader.close()
+                sys.exit(0)
+            os.waitpid(pid, 0)
+            print(f"child {time.monotonic() - start:.1f}")
+    assert sorted(got) == list(range(32)), got
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("backend", ["process", "thread"])
+def test_a_process_forked_from_the_owner_never_stops_its_workers(backend: str) -> None:
+    """A child of ``os.fork()`` has copies of the pools: closing them, or exiting (atexit,
+    multiprocessing's termination of its daemon children), must leave the owner's workers
+    alone, and a child never waits for threads it does not have."""
+    done = subprocess.run([sys.executable, "-c", _FORK_MID_EPOCH, backend], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.endswith("ok\n"), (
+        done.stdout + done.stderr[-3000:])
+    assert float(done.stdout.split()[1]) < 5 and "Exception ignored" not in done.stderr
 
 
 # -- crash recovery ------------------------------------------------------------------------
