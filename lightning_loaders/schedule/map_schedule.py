@@ -171,8 +171,8 @@ class MapSchedule(EpochOwner):
         if state.world_size == world_size:
             return state.offset_batches, state.offset_position
         if self.last_batch == "rollover":
-            raise ValueError(f"cannot resume last_batch='rollover' with another world size: "
-                             f"saved {state.world_size}, now {world_size}")
+            raise StateMismatchError(f"cannot resume last_batch='rollover' with another world "
+                                     f"size: saved {state.world_size}, now {world_size}")
         saved = self.plan_for(state.epoch, state.world_size, state.offset_position)
         return state.batches, saved.consumed(state.batches - state.offset_batches)
 

@@ -236,7 +236,7 @@ class IterableSchedule(EpochOwner):
             return
         if (state.batches and not self.canonical
                 and (state.world_size, workers) != (world_size, self.slots)):
-            raise ValueError(
+            raise StateMismatchError(
                 f"cannot resume mid-epoch (epoch {state.epoch}, after batch {state.batches}) "
                 f"with another world size or number of worker slots: saved world_size="
                 f"{state.world_size}, slots per rank={workers}; now world_size={world_size}, "
@@ -267,7 +267,7 @@ class IterableSchedule(EpochOwner):
         saved = slots.get(_PARTITIONS)
         if saved is None:
             if batches:
-                raise ValueError(
+                raise StateMismatchError(
                     "this mid-epoch state was saved by a version that planned per (rank, "
                     "worker) slot, not over canonical partitions; resume it with that version, "
                     "or from a checkpoint taken at an epoch end")
@@ -276,7 +276,7 @@ class IterableSchedule(EpochOwner):
             raise StateMismatchError(f"corrupted loader state: parts[{SLOTS!r}][{_PARTITIONS!r}]"
                                      f" must be an int >= 1, got {saved!r}")
         if self.requested_partitions not in (None, saved):
-            raise ValueError(
+            raise StateMismatchError(
                 f"partitions={self.requested_partitions} differs from the {saved} canonical "
                 "partitions the state was saved with: the epoch order depends on them. Pass "
                 f"partitions={saved} (or leave it unset to take the saved number)")
@@ -317,8 +317,8 @@ class IterableSchedule(EpochOwner):
         """Known lengths: every slot's position after ``batches`` delivered batches."""
         assert layout.sizes is not None and layout.num_batches is not None
         if batches > layout.num_batches:
-            raise ValueError(f"corrupted loader state: batches={batches} but epochs have "
-                             f"{layout.num_batches} batches")
+            raise StateMismatchError(f"corrupted loader state: batches={batches} but epochs "
+                                     f"have {layout.num_batches} batches")
         sizes = layout.sizes[rank]
         counts = delivered_counts([len(s) for s in sizes], batches)
         cursors = []
@@ -439,7 +439,7 @@ def _saved_cursors(saved: Mapping[str, Any], rank: int, slots: int) -> list[Curs
                                  f"no entry for rank {rank}")
     row = rows[rank]
     if row is None:
-        raise ValueError(
+        raise StateMismatchError(
             f"the loader state has no positions for rank {rank}: it was saved without an "
             "initialised process group, so it holds only the saving rank's. Save it with "
             "torch.distributed initialised (every rank calling state_dict()), or restore each "

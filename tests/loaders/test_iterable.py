@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_loaders import ResumableLoader
-from lightning_loaders.errors import SampleFetchError, WorkerCrashedError
+from lightning_loaders.errors import SampleFetchError, StateMismatchError, WorkerCrashedError
 from lightning_loaders.loaders.convert import make_resumable
 from lightning_loaders.loaders.iterable import ResumableIterableLoader
 from lightning_loaders.loaders.map_style import MapStyleLoader
@@ -266,7 +266,8 @@ def test_mid_epoch_resume_with_another_configuration_is_refused_with_the_reason(
     state = _partial_state(make, 3)
     for other in (make(workers=2), make(world=2)):
         other.load_state_dict(state)
-        with pytest.raises(ValueError, match="cannot resume mid-epoch.*canonical partitions"):
+        with pytest.raises(StateMismatchError,
+                           match="cannot resume mid-epoch.*canonical partitions"):
             next(iter(other))
         other.close()
 

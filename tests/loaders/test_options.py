@@ -11,6 +11,7 @@ import pytest
 from torch.utils.data import BatchSampler, IterableDataset, SequentialSampler
 
 from lightning_loaders import ResumableLoader
+from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.loaders.options import start_method
 from lightning_loaders.sources.shards import SequenceSource
 from lightning_loaders.testing import checkpoint_roundtrip, run_epochs
@@ -248,7 +249,8 @@ def test_another_world_size_is_accepted_except_under_rollover() -> None:
     state = _saved(last_batch="rollover", rank=0, world_size=2)
     rollover = _loader(last_batch="rollover")
     rollover.load_state_dict(state)
-    with pytest.raises(ValueError, match="rollover' with another world size: saved 2, now 1"):
+    with pytest.raises(StateMismatchError,
+                       match="rollover' with another world size: saved 2, now 1"):
         next(iter(rollover))
 
 
