@@ -64,34 +64,63 @@ class SampleFetchError(LoaderError, RuntimeError):
         cause_type: the original exception's type name (kept even when it cannot be pickled).
         worker_traceback: the original traceback formatted in the worker (``None`` in the main
             process, where the chained ``__cause__`` carries the live traceback).
+        loader_fields: all of the above as a dict. On an error that is also of the original
+            exception's type, an attribute of that exception with one of these names keeps
+            its own value (``except ParseError as e: e.position``); this dict keeps ours.
     """
+
+    index: int | None
+    position: int | None
+    epoch: int | None
+    batch: int | None
+    rank: int | None
+    worker: int | None
+    pid: int | None
+    cause_type: str
+    worker_traceback: str | None
+    loader_fields: dict[str, Any]
 
     def __init__(self, message: str, *, index: int | None = None, position: int | None = None,
                  epoch: int | None = None, batch: int | None = None, rank: int | None = None,
                  worker: int | None = None, pid: int | None = None, cause_type: str = "",
                  worker_traceback: str | None = None) -> None:
         super().__init__(message)
-        self.index, self.position = index, position
-        self.epoch, self.batch, self.rank = epoch, batch, rank
-        self.worker, self.pid = worker, pid
-        self.cause_type = cause_type
-        self.worker_traceback = worker_traceback
+        _set_fields(self, index=index, position=position, epoch=epoch, batch=batch, rank=rank,
+                    worker=worker, pid=pid, cause_type=cause_type,
+                    worker_traceback=worker_traceback)
 
 
 class WorkerInitError(LoaderError, RuntimeError):
     """``worker_init_fn`` raised in a worker process; the cause is the original exception.
 
-    Attributes: ``worker``, ``pid``, ``rank``, ``cause_type``, ``worker_traceback`` (as in
-    ``SampleFetchError``).
+    Attributes: ``worker``, ``pid``, ``rank``, ``cause_type``, ``worker_traceback``,
+    ``loader_fields`` (as in ``SampleFetchError``).
     """
+
+    worker: int | None
+    pid: int | None
+    rank: int | None
+    cause_type: str
+    worker_traceback: str | None
+    loader_fields: dict[str, Any]
 
     def __init__(self, message: str, *, worker: int | None = None, pid: int | None = None,
                  rank: int | None = None, cause_type: str = "",
                  worker_traceback: str | None = None) -> None:
         super().__init__(message)
-        self.worker, self.pid, self.rank = worker, pid, rank
-        self.cause_type = cause_type
-        self.worker_traceback = worker_traceback
+        _set_fields(self, worker=worker, pid=pid, rank=rank, cause_type=cause_type,
+                    worker_traceback=worker_traceback)
+
+
+def _set_fields(error: SampleFetchError | WorkerInitError, **fields: Any) -> None:
+    """Set ``fields`` as attributes, and as ``loader_fields``; a read-only attribute of the
+    original exception's type (on a combined error) keeps its own."""
+    error.loader_fields = fields
+    for name, value in fields.items():
+        try:
+            setattr(error, name, value)
+        except AttributeError:
+            pass
 
 
 class WorkerCrashedError(LoaderError, RuntimeError):
@@ -161,13 +190,12 @@ def user_error(base: type[_E], exc: BaseException, message: str, fields: dict[st
             error = kind(message, **fields)
         except Exception:  # the original type's constructor refuses one message
             pass
-        else:
+        else:  # its own fields win: ``except OSError as e: if e.errno == ENOENT`` holds
             for name, value in _attributes(exc).items():
-                if name not in fields:  # ``except OSError as e: if e.errno == ENOENT`` holds
-                    try:
-                        setattr(error, name, value)
-                    except (AttributeError, TypeError):
-                        pass
+                try:
+                    setattr(error, name, value)
+                except (AttributeError, TypeError):
+                    pass
             return error
     return base(message, **fields)
 
@@ -197,8 +225,14 @@ def _builtin_fields(kind: type[BaseException]) -> tuple[str, ...]:
 
 def _reduce_user_error(error: LoaderError) -> tuple[Any, ...]:
     """Pickled with its built-in fields (``errno``, ...), which ``BaseException``'s own
-    ``__reduce__`` leaves out: ``BaseException.__setstate__`` sets them back."""
-    return type(error), error.args, _attributes(error)
+    ``__reduce__`` leaves out: ``BaseException.__setstate__`` sets them back. A combined
+    class whose original type cannot be imported by name (defined in a function) crosses as
+    its loader error alone, which another process can rebuild."""
+    kind = type(error)
+    original = kind.__mro__[2] if kind.__mro__[1] in _COMBINED_BASES else None
+    if original is not None and not _importable(original):
+        kind = kind.__mro__[1]
+    return kind, error.args, _attributes(error)
 
 
 _COMBINED: dict[tuple[type[LoaderError], type[BaseException]], type[Any]] = {}
@@ -211,9 +245,9 @@ def user_error_type(base: type[_E], original: type[BaseException]) -> type[_E]:
     (made once per pair), so that ``except KeyError:`` around the loop still catches a
     ``KeyError`` from ``__getitem__``, as with ``DataLoader``. ``base`` itself when
     ``original`` cannot be combined with it: a ``BaseException`` that is no ``Exception``,
-    ``StopIteration`` (which would end the loop instead of failing it), a type that cannot be
-    imported by name (defined in a function: another process could not rebuild the error), an
-    incompatible layout.
+    ``StopIteration`` (which would end the loop instead of failing it), an incompatible
+    layout. A type that cannot be imported by name (defined in a function) is combined too;
+    pickled, such an error crosses as ``base`` (another process could not rebuild the type).
 
     The class is named ``SampleFetchError[module:qualname]`` (dots as ``/``; likewise for
     ``WorkerInitError``) and found under that name in this module, so it pickles by reference
@@ -227,15 +261,14 @@ def user_error_type(base: type[_E], original: type[BaseException]) -> type[_E]:
         return found
     name = f"{base.__name__}[{original.__module__}:{original.__qualname__}]".replace(".", "/")
     kind: type[_E] = base
-    if _importable(original):
-        try:
-            kind = type(name, (base, original),
-                        {"__module__": __name__, "__qualname__": name,
-                         "__str__": BaseException.__str__,
-                         "__reduce__": _reduce_user_error,
-                         "__setstate__": BaseException.__setstate__})
-        except TypeError:
-            pass
+    try:
+        kind = type(name, (base, original),
+                    {"__module__": __name__, "__qualname__": name,
+                     "__str__": BaseException.__str__,
+                     "__reduce__": _reduce_user_error,
+                     "__setstate__": BaseException.__setstate__})
+    except TypeError:
+        pass
     _COMBINED[(base, original)] = kind
     return kind
 

@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from lightning_loaders import ResumableLoader, sample_context
 from lightning_loaders.errors import (
@@ -222,12 +223,26 @@ class SomeFailBatched(SomeFail):
         return [self[i] for i in batch]
 
 
+class SomeFailBatchedOnly(torch.utils.data.Dataset):
+    """Only ``__getitems__`` (``DataLoader`` never calls ``__getitem__`` then): skipping asks
+    it again for each sample of a failing batch."""
+
+    def __init__(self, n: int) -> None:
+        self.inner = SomeFail(n)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitems__(self, batch: list[int]):
+        return [self.inner[i] for i in batch]
+
+
 def _skipping(dataset, workers: int = 0, **kwargs) -> ResumableLoader:
     return ResumableLoader(dataset, batch_size=4, shuffle=True, seed=2, num_workers=workers,
                            on_error="skip", **kwargs)
 
 
-@pytest.mark.parametrize("dataset", [SomeFail, SomeFailBatched])
+@pytest.mark.parametrize("dataset", [SomeFail, SomeFailBatched, SomeFailBatchedOnly])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_skip_leaves_out_exactly_the_failing_samples_and_reports_them(dataset, workers) -> None:
     n = 30

@@ -183,20 +183,22 @@ class BatchFetcher(Dataset[Any]):
     def _fetch_batch(self, request: BatchRequest, getitems: Callable[[list[int]], list[Any]],
                      skipped: list[SkippedSample]) -> list[Any]:
         """The dataset's ``__getitems__``; when skipping, a failing batch is fetched again sample
-        by sample so that only the failing samples are left out."""
+        by sample (``__getitems__([i])``: the dataset may have no ``__getitem__``) so that
+        only the failing samples are left out."""
         try:
             return getitems(request.indices.tolist())
         except Exception as exc:
             if self.on_error != "skip":
                 raise _fetch_error(request, None, exc, "__getitems__") from exc
-        return self._fetch_samples(request, skipped)
+        return self._fetch_samples(request, skipped, lambda index: getitems([index])[0])
 
-    def _fetch_samples(self, request: BatchRequest, skipped: list[SkippedSample]) -> list[Any]:
-        """``dataset[i]`` for every index of the batch, with the sample context published once
-        (``sample_context()`` counts the samples fetched so far, so the loop does nothing else
-        per sample). With ``on_error="skip"`` a failing sample is recorded and the loop goes on
-        after it."""
-        dataset = self.dataset
+    def _fetch_samples(self, request: BatchRequest, skipped: list[SkippedSample],
+                       read: Callable[[int], Any] | None = None) -> list[Any]:
+        """``dataset[i]`` (or ``read(i)``) for every index of the batch, with the sample
+        context published once (``sample_context()`` counts the samples fetched so far, so the
+        loop does nothing else per sample). With ``on_error="skip"`` a failing sample is
+        recorded and the loop goes on after it."""
+        get = read or self.dataset.__getitem__
         indices = request.indices.tolist()
         samples: list[Any] = []
         append = samples.append
@@ -206,7 +208,7 @@ class BatchFetcher(Dataset[Any]):
             while (start := current.skipped + len(samples)) < len(indices):
                 try:
                     for index in indices[start:]:
-                        append(dataset[index])
+                        append(get(index))
                 except Exception as exc:
                     k = current.skipped + len(samples)
                     if self.on_error != "skip":

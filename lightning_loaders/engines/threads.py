@@ -262,15 +262,17 @@ class ThreadPool:
         self._generation += 1
         return _ThreadIterator(self, self._generation)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Stop the threads and wait for them (a thread finishes the fetch it is in first; one
-        reported stalled is left to finish on its own, and joined at exit)."""
+        reported stalled, or every one without ``wait``, is left to finish on its own, and
+        joined at exit)."""
         workers, self._workers = self._workers, None
         if workers is None or self._owner != os.getpid():
             return
         _stop(workers)
-        _join([worker for w, worker in enumerate(workers)
-               if w not in self._stalled and worker.thread is not threading.current_thread()])
+        if wait:
+            _join([worker for w, worker in enumerate(workers) if w not in self._stalled
+                   and worker.thread is not threading.current_thread()])
         self._stalled.clear()
         self._outbox = queue.SimpleQueue()  # results of the stopped threads are dropped
 

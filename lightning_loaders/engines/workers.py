@@ -127,12 +127,12 @@ class ProcessPool:
         self._generation += 1
         return _ProcessIterator(self, self._generation)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Stop the workers: each is asked to exit after the fetch it is in, and killed if it
         has not within ``JOIN_S`` (one reported stalled is killed at once, so a timeout's
-        error comes on time); then the slots of their rings are unlinked. In a process forked
-        from the owner (a worker of another loader, the user's ``os.fork()``), the copy is
-        only dropped: the workers and rings are the owner's."""
+        error comes on time; all are, without ``wait``); then the slots of their rings are
+        unlinked. In a process forked from the owner (a worker of another loader, the user's
+        ``os.fork()``), the copy is only dropped: the workers and rings are the owner's."""
         workers, self.workers = self.workers, []
         stalled, self._stalled = self._stalled, set()
         if not workers or self._owner != os.getpid():
@@ -140,7 +140,7 @@ class ProcessPool:
         _LIVE.discard(self)
         self._stop.value = 1  # requests sent and not started are dropped
         for w, worker in enumerate(workers):
-            if w in stalled:
+            if w in stalled or not wait:
                 worker.process.kill()
                 continue
             try:

@@ -158,6 +158,11 @@ class DeliveryCore:
         """Stop the engine now; an iterator used afterwards goes on from the cursor."""
         self._generation += 1
 
+    def _close_after_error(self) -> None:
+        """``close()`` as an error leaves the loop (a loader with workers does not wait for
+        them, so that the error comes at once)."""
+        self.close()
+
     def __enter__(self) -> Self:
         return self
 
@@ -229,7 +234,7 @@ class Delivery:
             raise
         except BaseException:
             self._batches = None
-            loader.close()
+            loader._close_after_error()
             raise
         # An engine restarted inside next() (after a worker crash) is current; a close()
         # between two calls is not, and reopens at the cursor.

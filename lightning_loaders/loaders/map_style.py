@@ -386,7 +386,7 @@ class MapStyleLoader(ResumableLoader):
         """Unwrap what a fetch returned: raise a worker's error, record skipped samples."""
         kind = type(item)
         if kind is Failed:
-            self.close()  # the cursor stays on the failed batch: a retry requests it again
+            self._close_after_error()  # the cursor stays on the failed batch: a retry asks again
             item.reraise()
         if kind is not Skipped:
             self._recent_skips.append(0)

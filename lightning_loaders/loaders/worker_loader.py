@@ -56,6 +56,7 @@ class WorkerLoader(DeliveryCore):
 
     schedule: Any
     _initialized = False
+    _waits = True  # close() waits for the workers (not as an error leaves the loop)
     _autotuner: Autotuner | None = None
     shared_ring = True
     """Worker processes send batches through reusable shared-memory rings
@@ -165,7 +166,17 @@ class WorkerLoader(DeliveryCore):
         pool, self._pool = self._pool, None
         super().close()
         if isinstance(pool, ThreadPool | ProcessPool):
-            pool.close()
+            pool.close(wait=self._waits)
+
+    def _close_after_error(self) -> None:
+        """``close()`` as an error leaves the loop: worker processes are killed at once (what
+        they fetch would be dropped anyway) and threads left to end their fetch on their own,
+        so that the error reaches the caller without waiting for a slow sample."""
+        self._waits = False
+        try:
+            self.close()
+        finally:
+            self._waits = True
 
     # -- for subclasses ---------------------------------------------------------------------
 
@@ -246,7 +257,7 @@ class WorkerLoader(DeliveryCore):
     def _recover(self, lost: WorkerLost) -> None:
         """Stop every worker (new ones start from the cursor) and count a restart, or raise
         ``WorkerCrashedError`` past ``max_worker_restarts`` in this epoch (the restart is
-        logged before the workers are stopped, which takes a while). After ``backend="auto"``
+        logged before the workers are stopped). After ``backend="auto"``
         chose processes, only stop the threads: processes go on from the cursor."""
         if isinstance(lost, BackendSwitch):
             self.close()
@@ -265,7 +276,7 @@ class WorkerLoader(DeliveryCore):
                 fix = (f"gave up after {self._epoch_restarts} restarts in this epoch "
                        f"(max_worker_restarts={self.max_worker_restarts}): look at the "
                        "workers' memory use, or at the samples of that batch")
-            self.close()
+            self._close_after_error()
             raise WorkerCrashedError(f"{what}; {fix}", worker=worker, pid=pid,
                                      exitcode=exitcode, epoch=epoch, batch=batch, rank=rank,
                                      restarts=self._epoch_restarts) from None
@@ -274,7 +285,7 @@ class WorkerLoader(DeliveryCore):
         _log.warning("%s; restarting %d workers from the cursor (restart %d of at most %d in "
                      "this epoch)", what, self.num_workers, self._epoch_restarts,
                      self.max_worker_restarts)
-        self.close()
+        self._close_after_error()
 
     def _stall_error(self, stalled: WorkerStalled) -> WorkerTimeoutError:
         """The error for a batch later than ``timeout`` (workers are stopped first)."""
@@ -283,7 +294,7 @@ class WorkerLoader(DeliveryCore):
                    f"worker {stalled.worker}', in pid {stalled.pid})")
         else:
             who = f"DataLoader worker {stalled.worker} (pid {stalled.pid})"
-        self.close()
+        self._close_after_error()
         rank, epoch, batch = self.schedule.placement[0], self.schedule.epoch, self._position()
         return WorkerTimeoutError(
             f"{who} stalled: batch {batch} of epoch {epoch} on rank {rank} did not arrive "

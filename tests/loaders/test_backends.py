@@ -252,7 +252,7 @@ def test_a_user_exception_has_the_same_type_and_message_under_threads(workers: i
     assert thread.index == 7 and thread.worker == 3 % workers and thread.pid == os.getpid()
     assert str(process).split(" (pid")[0] == str(thread).split(" (pid")[0]
     assert f"in worker {3 % workers} (pid" in str(thread)
-    assert _pool_threads() == []
+    _no_threads_after_collection()  # left to end their fetch, as an error leaves the loop
 
 
 class Stalls(torch.utils.data.Dataset[int]):
@@ -278,6 +278,45 @@ def test_timeout_raises_worker_timeout_error_naming_the_thread() -> None:
     assert (f"DataLoader worker thread 0 (named 'lightning_loaders worker 0', in pid "
             f"{os.getpid()}) stalled" in str(caught.value))
     Stalls.release.set()
+    _no_threads_after_collection()
+
+
+class SlowThenFails(torch.utils.data.Dataset[int]):
+    """Sample 0 fails at once; samples 2 and 3 (another worker's batch) take 30 s, unless
+    ``release`` is set; with ``stall``, every sample does."""
+
+    release = threading.Event()
+    stall = False
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        if index == 0 and not self.stall:
+            raise KeyError(index)
+        if index in (2, 3) or self.stall:
+            self.release.wait(30)
+        return index
+
+
+@pytest.mark.parametrize("backend", ["process", "thread"])
+@pytest.mark.parametrize("stall", [False, True], ids=["error", "every-worker-stalled"])
+def test_an_error_comes_without_waiting_for_the_other_workers_fetches(backend: str,
+                                                                      stall: bool) -> None:
+    """The workers are stopped before the error is raised, but not waited for: processes are
+    killed, threads left to end their fetch. A ``KeyError`` (or a ``timeout=1``) is raised long
+    before the other worker's 30 s sample ends, or ``close()``'s 5 s grace for processes."""
+    dataset = SlowThenFails()
+    dataset.stall = stall
+    dataset.release.clear()
+    loader = ResumableLoader(dataset, batch_size=2, num_workers=2, backend=backend,
+                             timeout=1.0 if stall else 0)
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeoutError if stall else KeyError):
+        next(iter(loader))
+    assert time.monotonic() - start < 4.0
+    dataset.release.set()  # the threads left to end their fetch end it now
+    del loader
     _no_threads_after_collection()
 
 

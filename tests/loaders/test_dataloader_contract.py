@@ -174,6 +174,48 @@ def test_the_original_exceptions_fields_are_kept_like_with_dataloader(num_worker
         assert str(again) == str(raised) and again.index == 2
 
 
+class Located(Exception):
+    """A parser's error whose fields share names with ``SampleFetchError``'s (as
+    ``xml.etree.ElementTree.ParseError.position``), one a read-only property."""
+
+    def __init__(self, message: str, position: tuple[int, int], record: int) -> None:
+        super().__init__(message)
+        self.position = position
+        self._record = record
+
+    @property
+    def index(self) -> int:
+        return self._record
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_the_original_exceptions_fields_win_over_ours_of_the_same_name(num_workers) -> None:
+    """``except ParseError as e: e.position`` reads the parser's; ours stay in the message and
+    in ``loader_fields``."""
+    with pytest.raises(Located) as caught:
+        list(ResumableLoader(_Raises(Located("bad tag", (1, 8), 1234)), num_workers=num_workers))
+    raised = caught.value
+    assert isinstance(raised, SampleFetchError)
+    assert raised.position == (1, 8) and raised.index == 1234 and raised.epoch == 0
+    assert raised.loader_fields["index"] == 2 and raised.loader_fields["position"] == 2
+    assert "sample index 2" in str(raised)
+
+
+def test_a_type_defined_in_a_function_is_caught_as_itself_where_nothing_is_pickled() -> None:
+    """A class made in a function (botocore's ``NoSuchKey``) cannot be rebuilt in another
+    process, but in this one (no workers, or threads) the error is one of it; from a worker
+    process it arrives as a ``SampleFetchError`` with the cause's type name."""
+    class NoSuchKey(KeyError):
+        pass
+
+    for options in ({}, {"num_workers": 2, "backend": "thread"}):
+        with pytest.raises(NoSuchKey):
+            list(ResumableLoader(_Raises(NoSuchKey("x")), **options))
+    with pytest.raises(SampleFetchError) as caught:
+        list(ResumableLoader(_Raises(NoSuchKey("x")), num_workers=1))
+    assert caught.value.cause_type == "NoSuchKey" and caught.value.index == 2
+
+
 def test_types_that_cannot_be_combined_stay_sample_fetch_errors() -> None:
     class Stop(StopIteration):  # would end the loop instead of failing it
         pass
