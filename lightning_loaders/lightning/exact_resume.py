@@ -322,7 +322,7 @@ class ExactResume(Callback):
         resuming, self._resuming = self._resuming, None
         states, self._loader_states = self._loader_states, None
         loaded_at, self._loaded_at = self._loaded_at, None
-        if states is not None and _reloaded(trainer, loaded_at):
+        if states is not None and _rebuilt_since(trainer, loaded_at):
             states = None  # their loaders were rebuilt since: these start afresh, as those did
         loaders = _val_loaders(trainer)
         if states is not None and len(states) != len(loaders):
@@ -489,11 +489,12 @@ def _loaded_at(trainer: L.Trainer) -> int | None:
     return int(epoch) if epoch != float("-inf") else None
 
 
-def _reloaded(trainer: L.Trainer, loaded_at: int | None) -> bool:
+def _rebuilt_since(trainer: L.Trainer, loaded_at: int | None) -> bool:
     """Whether the uninterrupted run, whose validation loaders were built in epoch
     ``loaded_at``, built them anew for the pass starting now (``reload_dataloaders_every_n_
-    epochs``, by Lightning's rule); if not, Lightning's next rebuild is set where that run's
-    comes (the resumed run built its loaders in its own first epoch)."""
+    epochs``, by Lightning's rule). If it did not, this also puts Lightning's record of that
+    build back, so the next rebuild comes where that run's came (the resumed run built its
+    loaders in its own first epoch)."""
     every = getattr(trainer, "reload_dataloaders_every_n_epochs", 0)  # set by its data connector
     if not every or loaded_at is None:
         return False

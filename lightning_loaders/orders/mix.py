@@ -266,8 +266,11 @@ class MixOrder:
         """The global step of each position (0 everywhere without ``batch_size``)."""
         if self.batch_size is None:
             return np.zeros_like(positions)
-        per_epoch = -(-self.samples_per_epoch // self.batch_size)
-        return epoch * per_epoch + positions // self.batch_size
+        return epoch * self._steps_per_epoch(self.batch_size) + positions // self.batch_size
+
+    def _steps_per_epoch(self, batch_size: int) -> int:
+        """Global steps of an epoch (its last one may hold fewer samples)."""
+        return -(-self.samples_per_epoch // batch_size)
 
     # -- weights ----------------------------------------------------------------------------
 
@@ -295,8 +298,7 @@ class MixOrder:
         if where is None or self.batch_size is None:
             return None
         epoch, position = where
-        per_epoch = -(-self.samples_per_epoch // self.batch_size)
-        return epoch * per_epoch - (-position // self.batch_size)
+        return epoch * self._steps_per_epoch(self.batch_size) - (-position // self.batch_size)
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy follows no loader until the copied loader starts."""
@@ -363,8 +365,7 @@ class MixOrder:
         """The first position of ``epoch`` at global ``step`` or later."""
         if self.batch_size is None:
             return 0
-        per_epoch = -(-self.samples_per_epoch // self.batch_size)
-        return max(0, (step - epoch * per_epoch) * self.batch_size)
+        return max(0, (step - epoch * self._steps_per_epoch(self.batch_size)) * self.batch_size)
 
     # -- state ------------------------------------------------------------------------------
 
