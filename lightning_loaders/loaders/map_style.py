@@ -288,13 +288,16 @@ class MapStyleLoader(ResumableLoader):
         """Between epochs, follow a dataset whose ``len()`` changed, and a sampler changed in
         place (``sampler_signature``), as ``DataLoader`` does, which reads both at every epoch:
         the order is rebuilt, and when the dataset's length changed the workers, whose copies
-        of the dataset are stale, restart."""
+        of the dataset are stale, restart. A state restored at its epoch's end is followed by
+        the next epoch of the changed data too (one restored mid-epoch keeps its order)."""
         schedule = self.schedule
         between = schedule.epoch is None or schedule.remaining <= len(self._window.ahead)
-        if self._restored or not between:
+        if not between:
             return
         key = self._order_key()
         if key == self._order_read or len(self.dataset) < 1:
+            return
+        if self._restored and not schedule.abandon_finished_restore():
             return
         resized = key[0] != self._order_read[0]
         self._order_read = key

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from lightning_loaders.placement import resolve_rank_world
@@ -105,6 +106,22 @@ class EpochOwner:
         epoch = following_epoch(self.epoch, trainer, self._owner)
         self._owner = trainer
         self._start_epoch(epoch, rank, world_size)
+
+    def abandon_finished_restore(self) -> bool:
+        """Mark a restored state waiting at its epoch's end ``abandoned``: the next epoch start
+        begins the next epoch without reading that epoch's plan again (its data changed since,
+        and the next epoch follows the change). Returns whether it did."""
+        state = self._pending
+        if state is None or state.abandoned:
+            return state is not None
+        rank, world_size = self.placement
+        try:
+            finished = self._rest_of(state, rank, world_size) == 0
+        except (TypeError, ValueError):
+            return False
+        if finished:
+            self._pending = replace(state, abandoned=True)
+        return finished
 
     def resume_batch(self) -> int | None:
         """The batch of its epoch at which the restored state resumes on this placement, as

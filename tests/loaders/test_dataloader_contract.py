@@ -266,6 +266,31 @@ def test_a_dataset_that_grows_between_epochs_is_read_whole(num_workers: int) -> 
         list(range(4)), list(range(8)), list(range(6))]
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_data_changed_after_a_restored_epoch_end_is_followed_too(num_workers: int) -> None:
+    """Resumed from a state saved at an epoch's end, the next epoch reads the data as changed
+    before it (a grown dataset, new ``indices``), as the uninterrupted run does."""
+    def make() -> tuple[Any, Any, list[ResumableLoader]]:
+        data, subset = RangeDataset(4), SubsetRandomSampler([0, 1, 2])
+        return data, subset, [
+            ResumableLoader(data, batch_size=2, num_workers=num_workers, seed=1),
+            ResumableLoader(RangeDataset(10), batch_size=2, sampler=subset, seed=1)]
+
+    def next_epoch(data: Any, subset: Any, loaders: list[ResumableLoader]) -> list[list[int]]:
+        data.n, subset.indices = 8, [5, 6, 7, 8]
+        return [sorted(i for batch in loader for i in batch.tolist()) for loader in loaders]
+
+    data, subset, loaders = make()
+    for loader in loaders:
+        list(loader)  # epoch 0, then the checkpoint
+    states = [loader.state_dict() for loader in loaders]
+    uninterrupted = next_epoch(data, subset, loaders)
+    data, subset, resumed = make()
+    for loader, state in zip(resumed, states, strict=True):
+        loader.load_state_dict(state)
+    assert next_epoch(data, subset, resumed) == uninterrupted == [list(range(8)), [5, 6, 7, 8]]
+
+
 class _Growing(torch.utils.data.Sampler[int]):
     """A curriculum: each epoch reads the first ``k`` samples, ``k`` set between epochs."""
 
