@@ -124,7 +124,6 @@ class MapStyleLoader(ResumableLoader):
         _check_plan(self.schedule)
         self._follow_mix()
         self.sampler = SizedEpochSampler(self.schedule)
-        self.batch_sampler: Any = None  # DataLoader's surface: Lightning's evaluation reads it
         self._unbatched: Unbatched = unbatched
         self._batch_fetcher: BatchFetcher | None = None
         self._window = DeliveredWindow()

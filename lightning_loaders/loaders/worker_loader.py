@@ -107,6 +107,7 @@ class WorkerLoader(DeliveryCore):
                     self._auto = AutoChoice(max(1, num_workers), backend="process")
         self.dataset = dataset
         self.batch_size: int = o.batch_size
+        self.batch_sampler: Any = None  # DataLoader's attribute (Lightning reads it)
         self.num_workers = num_workers
         self.collate_fn = default_collate if o.collate_fn is None else o.collate_fn  # as torch's
         self.pin_memory = o.pin_memory

@@ -20,6 +20,7 @@ from torch.utils.data import (
 )
 
 from lightning_loaders import ResumableLoader, SampleFetchError
+from lightning_loaders.sources.shards import SequenceSource
 from lightning_loaders.testing import check_resume_at_every_step, to_plain
 from tests.conftest import IndexDataset, RangeDataset, loader_processes
 
@@ -385,6 +386,14 @@ def test_the_collate_fn_attribute_is_dataloaders(batch_size: int | None) -> None
     theirs = DataLoader(IndexDataset(6), batch_size=batch_size)
     assert ours.collate_fn is theirs.collate_fn
     assert to_plain(ours.collate_fn([{"index": 1}])) == to_plain(theirs.collate_fn([{"index": 1}]))
+
+
+@pytest.mark.parametrize("iterable", [False, True], ids=["map-style", "iterable"])
+def test_every_loader_has_dataloaders_batch_sampler_attribute(iterable: bool) -> None:
+    """Code that reads ``loader.batch_sampler`` (Lightning does) finds it: ``None``, as
+    ``DataLoader``'s unbatched loaders have, since the plan makes the batches."""
+    data = SequenceSource([list(range(6))]) if iterable else IndexDataset(6)
+    assert ResumableLoader(data, batch_size=2).batch_sampler is None
 
 
 class _Tagged(torch.utils.data.Dataset[str]):
