@@ -220,6 +220,15 @@ class Delivery:
     def __iter__(self) -> Delivery:
         return self
 
+    def __del__(self) -> None:
+        """Dropped before its epoch's end (a ``break``), the loader's current iterator takes
+        workers that are not persistent with it, as ``DataLoader``'s iterator does; persistent
+        ones wait for the next ``iter()``."""
+        loader = self._loader
+        if (self._started and loader._iter_token == self._token
+                and getattr(loader, "persistent_workers", True) is False):
+            loader.close()
+
     def __next__(self) -> Any:
         loader = self._loader
         if loader._iter_token != self._token:

@@ -21,6 +21,7 @@ from lightning_loaders.engines import threads
 from lightning_loaders.errors import SampleFetchError, WorkerTimeoutError
 from lightning_loaders.sources.shards import SequenceSource
 from lightning_loaders.testing import check_resume_at_every_step, run_epochs, to_plain
+from tests.conftest import loader_processes
 from tests.lightning_harness import check_trainer_resume
 
 BACKENDS = ["process", "thread", "auto"]
@@ -318,6 +319,29 @@ def test_an_error_comes_without_waiting_for_the_other_workers_fetches(backend: s
     dataset.release.set()  # the threads left to end their fetch end it now
     del loader
     _no_threads_after_collection()
+
+
+@pytest.mark.parametrize("backend", ["process", "thread"])
+def test_a_break_takes_workers_that_are_not_persistent_with_it(backend: str) -> None:
+    """With ``persistent_workers=False`` the workers live as long as the epoch's iterator, as
+    with ``DataLoader``: dropped at a ``break``, it stops them; the next epoch starts anew."""
+    def workers() -> list[Any]:
+        return loader_processes() if backend == "process" else _pool_threads()
+
+    def gone() -> bool:
+        deadline = time.monotonic() + 10
+        while workers() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return workers() == []
+
+    loader = _map_loader(backend, 2, persistent_workers=False)
+    for k, _ in enumerate(loader):
+        if k == 1:
+            assert workers()
+            break
+    assert gone()
+    assert len(list(loader)) == len(loader)  # the next epoch, whole, on new workers
+    assert gone()
 
 
 class SomeFail(torch.utils.data.Dataset[int]):
