@@ -115,13 +115,16 @@ class ResumableLoader(WorkerLoader):
 
     def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any) -> Any:
         """Pick the loader for ``dataset``: ``ResumableIterableLoader`` for an iterable
-        dataset, ``MapStyleLoader`` otherwise (a subclass named directly is kept)."""
-        if cls is ResumableLoader:
-            from lightning_loaders.loaders.iterable import ResumableIterableLoader
-            from lightning_loaders.loaders.map_style import MapStyleLoader
+        dataset, ``MapStyleLoader`` otherwise. A subclass of one of them is kept; a subclass
+        of ``ResumableLoader`` itself (``class MyLoader(ResumableLoader)``, as code subclasses
+        ``DataLoader``) is combined with the one the dataset needs (``_with_loader``)."""
+        from lightning_loaders.loaders.iterable import ResumableIterableLoader
+        from lightning_loaders.loaders.map_style import MapStyleLoader
 
+        if not issubclass(cls, MapStyleLoader | ResumableIterableLoader):
             iterable = isinstance(dataset, IterableDataset)
-            cls = ResumableIterableLoader if iterable else MapStyleLoader
+            loader = ResumableIterableLoader if iterable else MapStyleLoader
+            cls = loader if cls is ResumableLoader else _with_loader(cls, loader)
         return super().__new__(cls)
 
     def __init__(
@@ -187,3 +190,28 @@ class ResumableLoader(WorkerLoader):
         delivered beyond its frontier: they are not delivered again."""
         batch = super().resume_batch()
         return None if batch is None else batch + self._window.pending_ahead()
+
+
+_COMBINED: dict[tuple[type[Any], type[Any]], type[Any]] = {}
+
+
+def _with_loader(subclass: type[ResumableLoader], loader: type[ResumableLoader]) -> type[Any]:
+    """``subclass`` (of ``ResumableLoader``) on top of the concrete ``loader`` (made once per
+    pair): its methods first, then the loader's. Named as ``subclass``; pickled and copied
+    through ``_rebuilt``, since its name finds ``subclass`` alone."""
+    combined = _COMBINED.get((subclass, loader))
+    if combined is None:
+        combined = _COMBINED[(subclass, loader)] = type(subclass.__name__, (subclass, loader), {
+            "__module__": subclass.__module__, "__qualname__": subclass.__qualname__,
+            "__reduce_ex__": _reduce_combined})
+    return combined
+
+
+def _reduce_combined(self: ResumableLoader, protocol: Any) -> tuple[Any, ...]:
+    subclass, loader = type(self).__bases__
+    return _rebuilt, (subclass, loader), self.__dict__
+
+
+def _rebuilt(subclass: type[ResumableLoader], loader: type[ResumableLoader]) -> Any:
+    """An empty instance of ``_with_loader(subclass, loader)`` (its state is set next)."""
+    return object.__new__(_with_loader(subclass, loader))

@@ -3,6 +3,7 @@ where the two can be compared: unbatched and bulk loading, any batch sampler, th
 exception type, an explicit ``DistributedSampler``, a growing dataset, the worker's dataset,
 fixed attributes, ``ResumableLoader[T]`` and ``snapshot_every_n_steps``."""
 
+import copy
 import pickle
 from typing import Any
 
@@ -394,6 +395,32 @@ def test_every_loader_has_dataloaders_batch_sampler_attribute(iterable: bool) ->
     ``DataLoader``'s unbatched loaders have, since the plan makes the batches."""
     data = SequenceSource([list(range(6))]) if iterable else IndexDataset(6)
     assert ResumableLoader(data, batch_size=2).batch_sampler is None
+
+
+class NotedLoader(ResumableLoader):
+    """A subclass of the loader, as code subclasses ``DataLoader`` (module level: pickled)."""
+
+    def __init__(self, dataset: Any, note: str, **kwargs: Any) -> None:
+        super().__init__(dataset, **kwargs)
+        self.note = note
+
+    def __len__(self) -> int:
+        return super().__len__()
+
+
+@pytest.mark.parametrize("iterable", [False, True], ids=["map-style", "iterable"])
+def test_a_subclass_of_the_loader_works_as_a_subclass_of_dataloader_does(iterable: bool
+                                                                         ) -> None:
+    """``class MyLoader(ResumableLoader)`` is built on the loader the dataset needs: its own
+    methods first; it pickles, copies and runs workers."""
+    data = SequenceSource([list(range(6))]) if iterable else RangeDataset(6)
+    loader = NotedLoader(data, "mine", batch_size=2, num_workers=2)
+    assert isinstance(loader, NotedLoader) and type(loader).__name__ == "NotedLoader"
+    assert loader.note == "mine" and len(loader) == 3
+    for copied in (pickle.loads(pickle.dumps(loader)), copy.deepcopy(loader)):
+        assert type(copied) is type(loader) and copied.note == "mine"
+        assert sorted(i for batch in copied for i in batch.tolist()) == list(range(6))
+    assert sorted(i for batch in loader for i in batch.tolist()) == list(range(6))
 
 
 class _Tagged(torch.utils.data.Dataset[str]):
