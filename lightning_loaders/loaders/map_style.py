@@ -269,6 +269,8 @@ class MapStyleLoader(ResumableLoader):
 
     def _open_epoch(self) -> Iterator[Any]:
         self._refresh_order()
+        if self._batch_fetcher is not None and self.gathers_in_memory:
+            self._batch_fetcher = None  # read the data's structure anew (new tensors, indices)
         schedule = self.schedule
         self._follow_mix()
         schedule.begin_epoch()

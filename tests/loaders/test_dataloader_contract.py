@@ -15,7 +15,9 @@ from torch.utils.data import (
     DistributedSampler,
     RandomSampler,
     SequentialSampler,
+    Subset,
     SubsetRandomSampler,
+    TensorDataset,
     WeightedRandomSampler,
     get_worker_info,
 )
@@ -266,6 +268,26 @@ def test_a_dataset_that_grows_between_epochs_is_read_whole(num_workers: int) -> 
 
     assert epochs(ResumableLoader) == epochs(DataLoader) == [
         list(range(4)), list(range(8)), list(range(6))]
+
+
+def test_in_memory_data_replaced_between_epochs_is_read_as_it_is_now() -> None:
+    """In-memory data is gathered by vectorised indexing; a ``Subset``'s ``indices`` or a
+    ``TensorDataset``'s tensors replaced between epochs are read anew, as ``DataLoader``
+    reads them (the lengths stay the same)."""
+    def epochs(make: Any) -> list[list[int]]:
+        subset = Subset(torch.arange(100), [0, 1, 2, 3])
+        table = TensorDataset(torch.arange(10))
+        loaders = [make(subset, batch_size=2), make(table, batch_size=5)]
+
+        def read() -> list[list[int]]:
+            return [sorted(i for batch in loaders[0] for i in batch.tolist()),
+                    sorted(i for (column,) in loaders[1] for i in column.tolist())]
+
+        first = read()
+        subset.indices, table.tensors = [40, 50, 60, 70], (torch.arange(10) * 10,)
+        return first + read()
+
+    assert epochs(ResumableLoader) == epochs(DataLoader)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
