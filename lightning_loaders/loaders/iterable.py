@@ -308,6 +308,7 @@ class ResumableIterableLoader(ResumableLoader):
 
     def _open_epoch(self) -> Iterator[Any]:
         schedule = self.schedule
+        _check_lengths(self._fetcher.source, schedule.config.lengths)
         schedule.begin_epoch()
         self._restored = False
         self._window.resumed(schedule.epoch, schedule.batches)
@@ -448,3 +449,18 @@ class _Unbatched:
 
     def __call__(self, items: list[Any]) -> Any:
         return self.fn(items[0])
+
+
+def _check_lengths(source: ShardedSource[Any], planned: tuple[int, ...] | None) -> None:
+    """Refuse to start an epoch of a source whose lengths changed since the loader planned
+    them (a dataset whose ``len()`` grows between epochs): the plan, ``len()`` and the state
+    are fixed from them, so the epoch would be cut at the old length or run short."""
+    lengths = source.shard_lengths
+    if planned is not None and lengths is not None and tuple(lengths) != planned:
+        what = (f"len() changed from {planned[0]} to {lengths[0]}" if len(planned) == 1
+                else "shard lengths changed")
+        name = type(getattr(source, "dataset", source)).__name__  # a plain stream: the user's
+        raise ValueError(
+            f"the {name}'s {what} since the loader was built: an iterable "
+            "dataset's epochs are planned from its lengths once. Build a new loader for the "
+            "new data (map-style datasets follow a changed len() between epochs)")

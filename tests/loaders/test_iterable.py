@@ -4,6 +4,7 @@ import os
 import pickle
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -520,3 +521,27 @@ def test_ddp_two_ranks_cover_every_record_once_with_equal_counts_and_resume(
             assert len(rank["resumes"]) >= 3
             for step, after in rank["resumes"].items():
                 assert after == full[int(step):], f"{run}: resume from step {step} diverged"
+
+
+class _Growing(IterableDataset):
+    """A plain stream whose ``len()`` is changed between epochs."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.n))
+
+
+def test_an_iterable_whose_len_changes_between_epochs_is_refused_not_cut() -> None:
+    """Its epochs are planned from ``len()`` once: a longer stream would be cut at the old
+    length in silence; the next epoch is refused, naming the fix."""
+    data = _Growing(6)
+    loader = ResumableLoader(data, batch_size=2)
+    assert sorted(i for batch in loader for i in batch.tolist()) == list(range(6))
+    data.n = 10
+    with pytest.raises(ValueError, match="_Growing's len\\(\\) changed from 6 to 10.*new loader"):
+        list(loader)
