@@ -20,6 +20,7 @@ from lightning_loaders.engines.autotune import Autotuner, Setting, Tuning
 from lightning_loaders.engines.faults import Failed, OnError
 from lightning_loaders.engines.fetch import BatchFetcher
 from lightning_loaders.engines.pool import InProcess, WorkerLost, WorkerStalled, pin_target
+from lightning_loaders.engines.shard_reader import SlotFetcher
 from lightning_loaders.engines.threads import AutoChoice, BackendSwitch, ThreadPool, thread_worker
 from lightning_loaders.engines.workers import ProcessPool
 from lightning_loaders.errors import (
@@ -39,6 +40,7 @@ from lightning_loaders.loaders.options import (
 )
 from lightning_loaders.loaders.tuned import TunedDelivery, autotuner_for
 from lightning_loaders.schedule.map_schedule import resolve_seed
+from lightning_loaders.sources.plain import PlainStream
 
 __all__ = ["WorkerLoader"]
 
@@ -324,7 +326,7 @@ class _WorkerStart:
                           world_size=self.world_size, epoch=self.epoch, seed=self.seed,
                           dataset=dataset, backend="process" if thread is None else "thread")
         set_worker(info)
-        if torch_info is not None and isinstance(fetcher, BatchFetcher):
+        if torch_info is not None and _shows_user_dataset(fetcher):
             _publish_user_dataset(torch_info, dataset)
         if self.user_fn is None:
             return
@@ -352,6 +354,16 @@ def _shared_under_threads(worker_init_fn: Callable[[int], None] | None,
         return ("worker_init_fn may set per-worker state on the dataset, which threads share "
                 "(one object for all)")
     return process_wide
+
+
+def _shows_user_dataset(fetcher: Any) -> bool:
+    """Whether ``get_worker_info().dataset`` shows the worker's copy of the user's dataset (a
+    map-style one, a ``ShardedSource``). A plain ``IterableDataset`` is read whole in every
+    worker and strided: a ``worker_init_fn`` that split it per worker there (torch's example)
+    would lose data in silence, so it keeps seeing the loader's fetcher, and fails loudly."""
+    if isinstance(fetcher, SlotFetcher):
+        return not isinstance(fetcher.source, PlainStream)
+    return isinstance(fetcher, BatchFetcher)
 
 
 def _publish_user_dataset(torch_info: Any, dataset: Any) -> None:

@@ -6,6 +6,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -545,3 +546,27 @@ def test_an_iterable_whose_len_changes_between_epochs_is_refused_not_cut() -> No
     data.n = 10
     with pytest.raises(ValueError, match="_Growing's len\\(\\) changed from 6 to 10.*new loader"):
         list(loader)
+
+
+class _Connected(SequenceSource):
+    """A source whose shards are read through a per-worker resource that ``worker_init_fn``
+    opens on the worker's copy (torch's ``get_worker_info().dataset``)."""
+
+    connection: str | None = None
+
+    def open_shard(self, index: int, start: int = 0, state: Any = None) -> Iterator[Any]:
+        return ((self.connection, sample) for sample in super().open_shard(index, start, state))
+
+
+def _connect(worker_id: int) -> None:
+    get_worker_info().dataset.connection = f"conn-{worker_id}"
+
+
+def test_worker_init_fn_configures_the_workers_copy_of_a_source() -> None:
+    """As with ``DataLoader``, ``get_worker_info().dataset`` in ``worker_init_fn`` is the
+    worker's copy of the source, so what it sets there is what the worker reads with."""
+    loader = ResumableLoader(_Connected([list(range(4)), list(range(4, 8))]), batch_size=None,
+                             num_workers=2, worker_init_fn=_connect)
+    seen = [item for item in loader]
+    assert sorted(sample for _, sample in seen) == list(range(8))
+    assert {connection for connection, _ in seen} == {"conn-0", "conn-1"}
