@@ -88,9 +88,17 @@ class DrawnOrder:
         cached = self._cache.get(epoch)
         if cached is not None:
             return cached
-        self._restore_for(epoch)
+        restored = self._restore_for(epoch)
         before = _sampler_state(self.sampler)
-        drawn = self._draw(epoch)
+        try:
+            drawn = self._draw(epoch)
+        except _NothingDrawn:
+            if not restored:
+                raise
+            # a sampler whose state is how far its iteration got (torchdata's
+            # StatefulDistributedSampler) reads its state at an epoch's end as "all yielded";
+            # uninterrupted, that state began a new iteration: so does the draw now
+            drawn = self._draw(epoch)
         if not self._checked:
             self._checked = True
             if before is not None:
@@ -131,6 +139,9 @@ class DrawnOrder:
                     "followed between epochs")
             return drawn
         drawn = _as_indices(list(islice(items, self._length)), self._name)
+        if not len(drawn) and self._length:
+            raise _NothingDrawn(f"{self._name} yielded no index in epoch {epoch}, but len() is "
+                                f"{self._length}: every epoch must have len() indices")
         if len(drawn) != self._length:
             raise ValueError(f"{self._name} yielded only {len(drawn)} indices in epoch {epoch}, "
                              f"but len() is {self._length}: every epoch must have len() indices")
@@ -151,18 +162,20 @@ class DrawnOrder:
             while len(cache) > _CACHED_EPOCHS:
                 cache.popitem(last=False)
 
-    def _restore_for(self, epoch: int) -> None:
-        """After ``load_state_dict``: put the sampler where it was when ``epoch`` was drawn."""
+    def _restore_for(self, epoch: int) -> bool:
+        """After ``load_state_dict``: put the sampler where it was when ``epoch`` was drawn;
+        returns whether a state was loaded."""
         pending, self._pending = self._pending, None
         load = getattr(self.sampler, "load_state_dict", None)
         if not pending or load is None:
-            return
+            return False
         if epoch in pending:
             load(copy.deepcopy(pending[epoch]["before"]))
-            return
+            return True
         earlier = [e for e in pending if e < epoch]
         if earlier:
             load(copy.deepcopy(pending[max(earlier)]["after"]))
+        return bool(earlier)
 
 
 class DrawnBatchOrder(DrawnOrder):
@@ -204,6 +217,10 @@ class DrawnBatchOrder(DrawnOrder):
             raise ValueError(f"{self._name} yielded {len(drawn)} indices in epoch {epoch}, "
                              f"{self._length} in the first: every epoch must have the same length")
         return drawn
+
+
+class _NothingDrawn(ValueError):
+    """A sampler with ``len()`` yielded no index in an epoch."""
 
 
 def _listed(items: Iterator[Any], name: str, what: str, fix: str) -> list[Any]:

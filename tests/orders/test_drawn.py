@@ -168,6 +168,41 @@ def test_a_sampler_without_len_whose_epochs_differ_in_length_is_refused() -> Non
         list(loader)
 
 
+class Progress(Sampler[int]):
+    """A sampler whose state is how far its iteration got (torchdata's
+    ``StatefulDistributedSampler`` style): loading it makes the next iteration skip that many,
+    so its state at an epoch's end reads "all yielded"."""
+
+    def __init__(self) -> None:
+        self.epoch, self.yielded, self.next_yielded = 0, 0, None
+
+    def __len__(self) -> int:
+        return N
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        self.yielded, self.next_yielded = self.next_yielded or 0, None
+        order = torch.randperm(N, generator=torch.Generator().manual_seed(self.epoch)).tolist()
+        for index in order[self.yielded:]:
+            self.yielded += 1
+            yield index
+
+    def state_dict(self) -> dict[str, int]:
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.next_yielded = state["yielded"]
+
+
+def test_a_sampler_whose_state_is_its_progress_resumes_in_any_epoch() -> None:
+    """Restored for an epoch after the first, its state from the previous epoch's end says
+    that iteration was over; uninterrupted, it began a new one, and so it does on resume."""
+    check_resume_at_every_step(
+        lambda: ResumableLoader(IndexDataset(N), sampler=Progress(), batch_size=4), epochs=3)
+
+
 def test_an_infinite_sampler_with_len_is_cut_at_len() -> None:
     class Forever(Sampler[int]):
         def __len__(self) -> int:
