@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import queue
 import statistics
@@ -50,6 +51,7 @@ from lightning_loaders.engines.pool import (
 from lightning_loaders.engines.transport import transit_s
 
 __all__ = [
+    "EARLY_LEAD",
     "MIN_SPAN_S",
     "WAITING",
     "AutoChoice",
@@ -57,6 +59,7 @@ __all__ = [
     "ThreadPool",
     "ThreadWorker",
     "choose_backend",
+    "speedups",
     "thread_worker",
 ]
 
@@ -65,6 +68,9 @@ _log = logging.getLogger(__name__)
 WAITING = 0.5
 """Threads whose process used fewer cores than this fraction of their speed-up mostly waited
 (on I/O, sleeps) rather than computed: processes would wait just the same."""
+EARLY_LEAD = 1.25
+"""How far processes' speed-up must lead the threads' after one round of concurrent fetches for
+``backend="auto"`` to take them without measuring more."""
 MIN_SPAN_S = 0.05
 """The shortest concurrent phase whose CPU use ``backend="auto"`` reads (the process's CPU time
 advances in ticks of a few milliseconds: a shorter span would say little)."""
@@ -104,7 +110,16 @@ class BackendSwitch(WorkerLost):
 def choose_backend(serial_s: list[float], concurrent_s: list[float], num_workers: int,
                    cores: int, parallelism: float | None = None, transit_s: float = 0.0) -> str:
     """``"thread"`` or ``"process"``: whichever delivers batches faster, from fetch times
-    measured on threads.
+    measured on threads (``speedups``); a tie goes to processes: no probe sees the GIL's
+    friction on delivery, or the threads' share of ``parallelism`` that is spinning."""
+    threads, processes = speedups(serial_s, concurrent_s, num_workers, cores, parallelism,
+                                  transit_s)
+    return "thread" if threads > processes else "process"
+
+
+def speedups(serial_s: list[float], concurrent_s: list[float], num_workers: int, cores: int,
+             parallelism: float | None = None, transit_s: float = 0.0) -> tuple[float, float]:
+    """How many times faster than one fetch alone threads and processes deliver batches.
 
     ``serial_s`` are the wall times of fetches that ran alone, ``concurrent_s`` of fetches
     that ran with all threads busy; ``parallelism`` is this process's CPU seconds per wall
@@ -114,41 +129,49 @@ def choose_backend(serial_s: list[float], concurrent_s: list[float], num_workers
     - Threads speed fetching up ``num_workers * median(serial) / median(concurrent)`` times:
       work that holds the GIL takes about ``num_workers`` times longer when the threads run
       at once, work that releases it (or waits) about as long.
-    - Threads that used fewer cores than ``WAITING`` of that speed-up mostly waited: they are
-      kept, as processes would wait the same. Otherwise they computed, and ran no faster than
-      the cores they kept busy: their speed-up is at most ``parallelism``.
+    - Threads that used fewer cores than ``WAITING`` of that speed-up mostly waited, and
+      processes would wait the same: threads count as infinitely fast. Otherwise they
+      computed, and ran no faster than the cores they kept busy: their speed-up is at most
+      ``parallelism``.
     - Processes deliver a batch every ``serial / min(num_workers, cores) + transit_s`` at
-      best; threads are kept when they reach that speed. A tie goes to processes: no probe
-      sees the GIL's friction on delivery, or the threads' share of ``parallelism`` that is
-      spinning.
+      best.
     """
     serial, concurrent = statistics.median(serial_s), statistics.median(concurrent_s)
-    if concurrent <= 0 or serial <= 0:
-        return "thread"
-    threads = num_workers * serial / concurrent
-    if parallelism is not None:
-        if parallelism < WAITING * threads:
-            return "thread"
-        threads = min(threads, parallelism)
+    if concurrent <= 0 or serial <= 0:  # nothing to fetch: nothing for processes to gain
+        return math.inf, 0.0
     processes = serial / (serial / min(num_workers, cores) + transit_s)
-    return "thread" if threads > processes else "process"
+    threads = num_workers * serial / concurrent
+    if parallelism is None:
+        return threads, processes
+    if parallelism < WAITING * threads:
+        return math.inf, processes
+    return min(threads, parallelism), processes
 
 
 @dataclass
 class AutoChoice:
     """``backend="auto"``'s measurement and decision, kept by the loader across pools.
 
-    The first ``probe`` fetches run one at a time (``serial``, each result's ``transit_s``
-    timed meanwhile), the next ``probe`` with every thread busy on one request (``concurrent``);
-    then ``choose_backend`` decides, once for the loader's life, also from the process's CPU
-    seconds per wall second over the concurrent phase (``parallelism``, when that phase lasted
-    at least ``min_span_s``). ``backend`` is ``None`` until then. ``probe`` defaults to twice
-    the number of workers.
+    The first ``probe`` fetches run one at a time (``serial``), the next ``probe`` with every
+    thread busy on one request (``concurrent``); what each result would take to cross from a
+    process is timed meanwhile (``transit``). Then ``choose_backend`` decides, once for the
+    loader's life, also from the process's CPU seconds per wall second over the concurrent
+    phase (``parallelism``, when that phase lasted at least ``min_span_s``). ``backend`` is
+    ``None`` until then. ``probe`` defaults to twice the number of workers.
+
+    Two shortcuts spare the probe's slow batches. ``alone_s``, a batch's fetch time already
+    measured alone (``num_workers="auto"`` starts in the main process), skips the serial phase.
+    And after the first ``num_workers`` concurrent fetches, processes are taken at once when
+    their speed-up leads the threads' by ``EARLY_LEAD`` (``speedups``, ``parallelism`` left
+    out: over so short a span it is unknown): work that holds the GIL is slowest on threads
+    exactly while they are measured. Threads are never chosen early: a wrong choice of threads
+    costs the GIL's slowdown for the whole run, a wrong choice of processes only the crossing.
     """
 
     num_workers: int
     probe: int = 0
     backend: str | None = None
+    alone_s: float | None = None
     serial: list[float] = field(default_factory=list)
     concurrent: list[float] = field(default_factory=list)
     transit: list[float] = field(default_factory=list)
@@ -158,34 +181,55 @@ class AutoChoice:
 
     def __post_init__(self) -> None:
         self.probe = self.probe or 2 * self.num_workers
+        if self.alone_s is not None:
+            self._start_concurrent_phase()
 
     @property
     def serial_phase(self) -> bool:
-        return self.backend is None and len(self.serial) < self.probe
+        return self.backend is None and self.alone_s is None and len(self.serial) < self.probe
 
     def record(self, serial: bool, wall_s: float, result: Any) -> None:
-        """Note one fetch's wall time (and, alone, what its ``result`` would take to cross
-        from a process); decide once both phases are measured."""
+        """Note one fetch's wall time and what its ``result`` would take to cross from a
+        process; decide once both phases are measured, or early (class docstring)."""
         if self.backend is not None:
             return
         (self.serial if serial else self.concurrent).append(wall_s)
-        if serial and not isinstance(result, torch_data_utils.ExceptionWrapper | Raised):
+        if not isinstance(result, torch_data_utils.ExceptionWrapper | Raised):
             self.transit.append(transit_s(result))
-        if serial and len(self.serial) == self.probe:  # the concurrent phase starts
-            self._phase_start = (time.perf_counter(), time.process_time())
+        if serial and not self.serial_phase:
+            self._start_concurrent_phase()
         if len(self.concurrent) >= self.probe:
-            if self._phase_start is not None:
-                wall = time.perf_counter() - self._phase_start[0]
-                if wall >= self.min_span_s:
-                    self.parallelism = (time.process_time() - self._phase_start[1]) / wall
-            transit = statistics.median(self.transit) if self.transit else 0.0
-            self.backend = choose_backend(self.serial, self.concurrent, self.num_workers,
-                                          available_cpus(), self.parallelism, transit)
-            used = "unknown" if self.parallelism is None else f"{self.parallelism:.2f}"
-            _log.info("backend='auto' chose %s workers (fetch times alone %s s, all threads "
-                      "busy %s s, CPU seconds per second meanwhile: %s, a batch's crossing "
-                      "from a process: %.4f s)", self.backend, _rounded(self.serial),
-                      _rounded(self.concurrent), used, transit)
+            self._decide(self._parallelism())
+        elif len(self.concurrent) == self.num_workers:
+            threads, processes = speedups(self._alone(), self.concurrent, self.num_workers,
+                                          available_cpus(), transit_s=self._transit())
+            if processes >= EARLY_LEAD * threads:
+                self._decide(None, early=True)
+
+    def _start_concurrent_phase(self) -> None:
+        self._phase_start = (time.perf_counter(), time.process_time())
+
+    def _parallelism(self) -> float | None:
+        if self._phase_start is not None:
+            wall = time.perf_counter() - self._phase_start[0]
+            if wall >= self.min_span_s:
+                self.parallelism = (time.process_time() - self._phase_start[1]) / wall
+        return self.parallelism
+
+    def _alone(self) -> list[float]:
+        return self.serial if self.alone_s is None else [self.alone_s]
+
+    def _transit(self) -> float:
+        return statistics.median(self.transit) if self.transit else 0.0
+
+    def _decide(self, parallelism: float | None, early: bool = False) -> None:
+        self.backend = choose_backend(self._alone(), self.concurrent, self.num_workers,
+                                      available_cpus(), parallelism, self._transit())
+        used = "unknown" if parallelism is None else f"{parallelism:.2f}"
+        _log.info("backend='auto' chose %s workers%s (fetch times alone %s s, all threads busy "
+                  "%s s, CPU seconds per second meanwhile: %s, a batch's crossing from a "
+                  "process: %.4f s)", self.backend, " early" * early,
+                  _rounded(self._alone()), _rounded(self.concurrent), used, self._transit())
 
 
 def _rounded(values: list[float]) -> list[float]:

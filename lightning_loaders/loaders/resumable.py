@@ -74,15 +74,17 @@ class ResumableLoader(WorkerLoader):
             where fetching releases the GIL (PIL, numpy, torch ops, file reads). ``"auto"``:
             threads first; the first ``2 * num_workers`` fetches run one at a time (each
             batch's crossing from a process estimated meanwhile), the next ``2 * num_workers``
-            with every thread busy; threads are kept where they mostly waited (I/O) or beat
-            what processes could reach, a batch every ``fetch / min(num_workers, cores) +
-            crossing`` (``engines.threads.choose_backend``), else the loader switches to
-            processes at the next batch, from the cursor
-            (a dataset that cannot be pickled stays on threads; with a ``worker_init_fn`` or a
-            plain ``IterableDataset``, whose per-worker state threads would share, it takes
-            processes at once); ``backend_in_use`` says which
-            runs. The stream, ``sample_rng()`` and the state are the same for every backend
-            (a state saved under one resumes under another). Under threads,
+            with every thread busy (no fetches alone under ``num_workers="auto"``, which
+            timed them in the main process; processes are taken after the first busy round
+            where they lead by ``engines.threads.EARLY_LEAD``); threads are kept where they
+            mostly waited (I/O) or beat what processes could reach, a batch every ``fetch /
+            min(num_workers, cores) + crossing`` (``engines.threads.choose_backend``), else
+            the loader switches to processes at the next batch, from the cursor (a dataset
+            that cannot be pickled stays on threads; with a ``worker_init_fn`` or a plain
+            ``IterableDataset``, whose per-worker state threads would share, it takes
+            processes at once); ``backend_in_use`` says which runs. The stream,
+            ``sample_rng()`` and the state are the same for every backend (a state saved
+            under one resumes under another). Under threads,
             ``worker_info()`` is the thread's and ``torch.utils.data.get_worker_info()`` is
             ``None`` (as in the main process); the global ``random``/numpy/torch RNGs are
             shared and left unseeded (draw per-sample randomness from ``sample_rng()``);

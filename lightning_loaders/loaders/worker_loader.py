@@ -206,6 +206,13 @@ class WorkerLoader(DeliveryCore):
         return backend is not None and not (backend == "process"
                                             and isinstance(self._pool, ThreadPool))
 
+    def _fetch_alone_s(self) -> float | None:
+        """Seconds a batch took to fetch in the main process, measured by ``num_workers="auto"``
+        before any worker ran (``None``: not measured)."""
+        trials = self._autotuner.tuning.trials if self._autotuner is not None else ()
+        alone = [trial.window.fetch_s for trial in trials if trial.setting.workers == 0]
+        return alone[0] if alone else None
+
     def _batches_left(self) -> int | None:
         """Batches left in the current epoch on this rank (``None``: unknown)."""
         try:
@@ -230,7 +237,7 @@ class WorkerLoader(DeliveryCore):
         fewest in hand get the next ones (a slot's requests go to its own worker, which keeps
         its reader)."""
         if self.backend == "auto" and self._auto is None and self.num_workers > 0:
-            self._auto = AutoChoice(self.num_workers)
+            self._auto = AutoChoice(self.num_workers, alone_s=self._fetch_alone_s())
         threads = self.num_workers > 0 and self.backend_in_use != "process"
         if self._pool is None and threads:
             rank, world_size = self.schedule.placement

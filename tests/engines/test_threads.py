@@ -20,12 +20,14 @@ import torch
 from lightning_loaders.engines import threads as threads_module
 from lightning_loaders.engines.pool import WorkerStalled
 from lightning_loaders.engines.threads import (
+    EARLY_LEAD,
     MIN_SPAN_S,
     WAITING,
     AutoChoice,
     BackendSwitch,
     ThreadPool,
     choose_backend,
+    speedups,
     thread_worker,
 )
 from lightning_loaders.engines.transport import TRANSIT_BATCH_S
@@ -290,9 +292,52 @@ def test_auto_measures_fetches_alone_then_all_threads_busy() -> None:
     assert fetcher.most_at_once == 1 and len(auto.serial) == 4 and auto.backend is None
     list(pool)
     assert len(auto.concurrent) == 4 and auto.backend == "thread"  # sleeping releases the GIL
-    # what each result would take to cross from a process, timed on those fetched alone
-    assert len(auto.transit) == 4 and min(auto.transit) >= TRANSIT_BATCH_S
+    # what each result would take to cross from a process, timed on every fetch measured
+    assert len(auto.transit) == 8 and min(auto.transit) >= TRANSIT_BATCH_S
     pool.close()
+
+
+def test_a_fetch_time_measured_alone_already_skips_the_serial_phase() -> None:
+    fetcher = Recorder(0.05)
+    auto = AutoChoice(2, alone_s=0.05)
+    assert not auto.serial_phase
+    pool = ThreadPool(fetcher, range(4), num_workers=2, auto=auto)
+    list(pool)
+    assert fetcher.most_at_once == 2 and auto.serial == [] and len(auto.concurrent) == 4
+    assert auto.backend == "thread" and auto.parallelism is not None  # sleeps: threads wait
+    pool.close()
+
+
+def _probe(auto: AutoChoice, serial_s: float, concurrent_s: list[float]) -> list[str | None]:
+    """What ``auto`` has chosen after each of ``concurrent_s``, fed after its serial phase's
+    fetches alone of ``serial_s`` each."""
+    while auto.serial_phase:
+        auto.record(True, serial_s, None)
+    chosen = []
+    for wall_s in concurrent_s:
+        auto.record(False, wall_s, None)
+        chosen.append(auto.backend)
+    return chosen
+
+
+def test_auto_takes_processes_after_one_busy_round_when_they_lead_clearly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the first round with every thread busy, processes are taken when their
+    speed-up leads the threads' by ``EARLY_LEAD``; threads only ever after the whole probe."""
+    monkeypatch.setattr(threads_module, "available_cpus", lambda: 2)
+    assert 1.0 < EARLY_LEAD < 1.5
+    # GIL held: both fetches took twice as long at once; threads 1x, processes almost 2x
+    assert _probe(AutoChoice(2), 1.0, [2.0, 2.0]) == [None, "process"]
+    threads, processes = speedups([1.0], [2.0, 2.0], 2, 2)
+    assert threads == 1.0 and processes == 2.0
+    # threads at 1.67x: processes (2x) lead by less than EARLY_LEAD, so the probe goes on
+    assert _probe(AutoChoice(2), 1.0, [1.2, 1.2, 1.2, 1.2]) == [None, None, None, "process"]
+    # threads as fast at once as alone (they wait, or release the GIL): never chosen early
+    chosen = _probe(AutoChoice(2, min_span_s=math.inf), 1.0, [1.0, 1.0, 1.0, 1.0])
+    assert chosen == [None, None, None, "thread"]
+    # with a fetch time alone already measured, no serial phase and the same early rule
+    auto = AutoChoice(2, alone_s=1.0)
+    assert _probe(auto, 1.0, [2.0, 2.0]) == [None, "process"] and auto.serial == []
 
 
 def test_while_auto_measures_the_threads_hold_one_request_each() -> None:
