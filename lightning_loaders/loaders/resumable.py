@@ -210,6 +210,8 @@ def _with_loader(subclass: type[ResumableLoader], loader: type[ResumableLoader])
 
 
 def _reduce_combined(self: ResumableLoader, protocol: Any) -> tuple[Any, ...]:
+    """Pickle a combined loader by its two bases: the combined class is made at run time, so
+    no importable name leads to it."""
     subclass, loader = type(self).__bases__
     return _rebuilt, (subclass, loader), self.__dict__
 
