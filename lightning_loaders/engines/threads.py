@@ -240,13 +240,14 @@ class _Task(NamedTuple):
     generation: int
     number: int
     request: Any
+    sent: float  # perf_counter() when the request was put in the thread's inbox
 
 
 class _Result(NamedTuple):
     generation: int
     number: int
     data: Any
-    wall_s: float
+    wall_s: float  # from the request's sending to its result: waits for the GIL count too
 
 
 class _Worker(NamedTuple):
@@ -410,7 +411,6 @@ def _serve(me: ThreadWorker, inbox: queue.SimpleQueue[_Task | None],
                 failure = captured(where)
         fetcher = me.dataset
         while (task := inbox.get()) is not None:
-            start = time.perf_counter()
             data: Any = failure
             if data is None:
                 try:
@@ -420,7 +420,7 @@ def _serve(me: ThreadWorker, inbox: queue.SimpleQueue[_Task | None],
                 except BaseException:
                     data = captured(where)
             outbox.put(_Result(task.generation, task.number, data,
-                               time.perf_counter() - start))
+                               time.perf_counter() - task.sent))
             del data, task
     finally:
         set_samples(None)
@@ -464,7 +464,7 @@ class _ThreadIterator(PoolIterator):
         auto = self._pool.auto
         if auto is not None and auto.serial_phase:
             self._serial.add(number)
-        workers[worker].inbox.put(_Task(self._generation, number, request))
+        workers[worker].inbox.put(_Task(self._generation, number, request, time.perf_counter()))
 
     def _take(self) -> Arrival:
         """The next result of this iterator's requests, waiting at most ``timeout``."""

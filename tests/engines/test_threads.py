@@ -308,6 +308,33 @@ def test_a_fetch_time_measured_alone_already_skips_the_serial_phase() -> None:
     pool.close()
 
 
+class HoldsTheGil:
+    """``fetcher[r]`` is ``r`` after ``seconds`` of pure Python: nothing releases the GIL."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __getitem__(self, request: int) -> int:
+        deadline = time.perf_counter() + self.seconds
+        while time.perf_counter() < deadline:
+            sum(range(100))
+        return request
+
+
+def test_a_fetch_that_holds_the_gil_is_timed_from_its_request(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every thread busy, a thread waits for the GIL before its fetch can start: that
+    wait counts, so pure-Python work does not look as fast on two threads as alone."""
+    monkeypatch.setattr(threads_module, "available_cpus", lambda: 2)
+    auto = AutoChoice(2)
+    pool = ThreadPool(HoldsTheGil(0.006), range(8), num_workers=2, auto=auto)
+    with pytest.raises(BackendSwitch):
+        list(pool)
+    assert auto.backend == "process"
+    assert max(auto.concurrent) > 1.5 * max(auto.serial), (auto.serial, auto.concurrent)
+    pool.close()
+
+
 def _probe(auto: AutoChoice, serial_s: float, concurrent_s: list[float]) -> list[str | None]:
     """What ``auto`` has chosen after each of ``concurrent_s``, fed after its serial phase's
     fetches alone of ``serial_s`` each."""
