@@ -46,6 +46,7 @@ from lightning_loaders.engines.faults import Failed, OnError, Skipped, SkippedSa
 from lightning_loaders.engines.transport import worker_collate
 from lightning_loaders.errors import SampleFetchError, fetch_error
 from lightning_loaders.schedule.requests import BatchRequest
+from lightning_loaders.sources.mix import Mix
 from lightning_loaders.sources.tables import TableDataset
 
 __all__ = ["BatchFetcher", "Numbered", "Unbatched"]
@@ -418,12 +419,12 @@ def _same_batch(got: Any, expected: Any) -> bool:
 
 def _has_own_getitems(dataset: Any) -> bool:
     """Whether ``dataset`` batches its own fetches: torch's ``Subset`` and ``StackDataset``
-    only forward ``__getitems__``, so over per-sample datasets they would hide the per-sample
-    context, and the per-sample path is used instead."""
+    and our ``Mix`` only forward ``__getitems__``, so over per-sample datasets they would hide
+    the per-sample context (``sample_rng()``), and the per-sample path is used instead."""
     if isinstance(dataset, Subset):
         return _has_own_getitems(dataset.dataset)
-    if isinstance(dataset, StackDataset):
-        parts = dataset.datasets
+    if isinstance(dataset, StackDataset | Mix):
+        parts = dataset.datasets if isinstance(dataset, StackDataset) else dataset.sources
         return all(_has_own_getitems(d) for d in (parts.values() if isinstance(parts, dict)
                                                    else parts))
     return callable(getattr(dataset, "__getitems__", None))

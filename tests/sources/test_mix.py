@@ -20,6 +20,7 @@ from lightning_loaders import (
     SampleFetchError,
     StateMismatchError,
     make_resumable,
+    sample_rng,
 )
 from lightning_loaders.sources.shards import GeneratorSource, RecordFiles, write_records
 from lightning_loaders.testing import (
@@ -296,3 +297,34 @@ def test_wrong_saved_draw_counts_fail_the_audit() -> None:
     state["parts"]["order"]["counts"] = [[epoch, chunk, [counts[1], counts[0], counts[2]]]]
     with pytest.raises(StateMismatchError):
         late_mix_loader().load_state_dict(state)
+
+
+class Augmented(torch.utils.data.Dataset[torch.Tensor]):
+    """Sample ``i``: ``i`` and a draw of ``sample_rng()``, as an augmentation makes it."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([index, int(sample_rng().integers(1 << 30))])
+
+
+@pytest.mark.parametrize(("backend", "num_workers"), [("process", 2), ("thread", 2)])
+def test_members_that_draw_from_sample_rng_get_their_sample_context(backend: str,
+                                                                    num_workers: int) -> None:
+    """``Mix`` forwards ``__getitems__`` to members that have none: their samples are fetched
+    one at a time, each in its own context, as they are outside a mixture."""
+    def batches(**options: Any) -> list[list[list[int]]]:
+        loader = ResumableLoader(Mix([Augmented(6), Augmented(4)], [0.5, 0.5], seed=3),
+                                 batch_size=2, **options)
+        try:
+            return [batch.tolist() for batch in loader]
+        finally:
+            loader.close()
+
+    alone = batches(num_workers=0)
+    assert len({draw for batch in alone for _, draw in batch}) == 10
+    assert batches(backend=backend, num_workers=num_workers) == alone
