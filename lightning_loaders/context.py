@@ -76,7 +76,9 @@ class WorkerInfo(int):
     A plain one-argument ``worker_init_fn(worker_id)`` keeps working; richer ones read the
     attributes ``id``, ``num_workers``, ``rank``, ``world_size``, ``epoch``, ``seed``,
     ``dataset`` (the user's dataset, not our wrapper) and ``backend`` (``"process"`` or
-    ``"thread"``: what the worker is).
+    ``"thread"``: what the worker is). ``epoch`` is the epoch the worker started in, as its
+    ``worker_init_fn`` saw it: persistent workers keep it for later epochs, so a sample's own
+    epoch is ``sample_context().epoch``.
     """
 
     id: int
