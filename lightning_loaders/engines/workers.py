@@ -167,6 +167,8 @@ class ProcessPool:
             self._start_deadline = time.monotonic() + START_S
         stop = self._stop = self.context.RawValue("b", 0)
         packer = RingPacker(slots=self.prefetch_factor + HELD) if self.ring else None
+        # a fork server, not this process, is the parent of the workers it starts
+        parent = None if self.context.get_start_method() == "forkserver" else os.getpid()
         for w in range(self.num_workers):
             requests_in, requests_out = self.context.Pipe(duplex=False)
             results_in, results_out = self.context.Pipe(duplex=False)
@@ -174,7 +176,7 @@ class ProcessPool:
                 _widen(end)
             process = self.context.Process(
                 target=_serve, name=f"lightning_loaders worker {w}", daemon=True,
-                args=(_Setup(w, self.num_workers, self.seed, os.getpid(), started, stop),
+                args=(_Setup(w, self.num_workers, self.seed, parent, started, stop),
                       self.fetcher, packer, self.worker_init_fn, requests_in, results_out))
             process.start()
             requests_in.close()
@@ -315,9 +317,10 @@ class _ProcessIterator(PoolIterator):
 
 
 class _Setup:
-    """What a worker needs to know of itself (pickled to spawned workers)."""
+    """What a worker needs to know of itself (pickled to spawned workers); ``parent``: the pid
+    its parent must keep (``None``: the one it has as it starts, a fork server's)."""
 
-    def __init__(self, worker_id: int, num_workers: int, seed: int, parent: int,
+    def __init__(self, worker_id: int, num_workers: int, seed: int, parent: int | None,
                  started: Any, stop: Any) -> None:
         self.worker_id, self.num_workers, self.seed = worker_id, num_workers, seed
         self.parent, self.started, self.stop = parent, started, stop
@@ -330,6 +333,7 @@ def _serve(setup: _Setup, fetcher: Any, packer: RingPacker | None,
     ``requests`` on ``results`` until ``None`` or the pool's stop flag (or EOF, Ctrl-C, the
     parent's death)."""
     w = setup.worker_id
+    parent = os.getppid() if setup.parent is None else setup.parent
     if setup.started is not None:
         setup.started[w] = 1
     try:
@@ -341,7 +345,7 @@ def _serve(setup: _Setup, fetcher: Any, packer: RingPacker | None,
         watch.register(requests.fileno(), select.POLLIN)
         while True:
             while not watch.poll(WATCH_S * 1000):
-                if os.getppid() != setup.parent:
+                if os.getppid() != parent:
                     return
             message = requests.recv()
             if message is None or setup.stop.value:

@@ -175,6 +175,21 @@ def test_workers_started_by_any_method_deliver_the_same_stream(method: str, ring
     assert loader_processes() == []
 
 
+def test_idle_workers_started_by_a_fork_server_keep_serving(stops_the_fork_server) -> None:
+    """A fork server is the workers' parent: idle past ``WATCH_S`` (a slow training step, a
+    pause between epochs), they must not take it for their parent's death and exit."""
+    loader = ResumableLoader(IndexDataset(16), batch_size=4, num_workers=2,
+                             multiprocessing_context="forkserver")
+    first = [indices(batch) for batch in loader]
+    processes = [worker.process for worker in loader._pool.workers]
+    time.sleep(2 * workers.WATCH_S)
+    assert all(process.is_alive() for process in processes)
+    assert [indices(batch) for batch in loader] == first
+    assert loader.worker_restarts == 0
+    assert [worker.process for worker in loader._pool.workers] == processes
+    loader.close()
+
+
 def _pool_then_wait(log: Path) -> None:
     pool = workers.ProcessPool(Slow(log, 0.0), range(4), num_workers=2, seed=0)
     assert len(list(pool)) == 4
