@@ -11,7 +11,9 @@ import multiprocessing
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from multiprocessing import context as mp_context
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Literal, cast
 
 import torch
 from torch.utils.data import default_convert
@@ -145,14 +147,19 @@ def start_method(multiprocessing_context: Any) -> str:
 
 def check_picklable(method: str, **objects: Any) -> None:
     """Workers started by ``spawn``/``forkserver`` receive these pickled: refuse the ones that
-    cannot be, naming them and the fix (``fork`` copies the process, so anything works)."""
+    cannot be, naming them and the fix (``fork`` copies the process, so anything works).
+
+    They are pickled as a worker's start pickles them (``ForkingPickler``, with a process
+    being started), so what pickles only then passes too: ``multiprocessing``'s ``Value``,
+    ``Lock`` and ``Queue``, and tensors (moved to shared memory, as the start would)."""
     if method == "fork":
         return
     for name, value in objects.items():
         if value is None:
             continue
+        mp_context.set_spawning_popen(cast(Any, _TrialStart()))  # stands in for a Popen
         try:
-            pickle.Pickler(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+            ForkingPickler(_Discard(), pickle.HIGHEST_PROTOCOL).dump(value)
         except Exception as exc:
             raise ValueError(
                 f"the {name} cannot be pickled ({type(exc).__name__}: {exc}), but worker "
@@ -161,6 +168,26 @@ def check_picklable(method: str, **objects: Any) -> None:
                 "open files, locks and connections out of it (open them in worker_init_fn); "
                 "or use multiprocessing_context='fork' where available, or num_workers=0"
             ) from exc
+        finally:
+            mp_context.set_spawning_popen(None)
+
+
+class _NamedFd:
+    """A file descriptor named in a pickle, as a process being started would receive it."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+
+class _TrialStart:
+    """Stands in for a worker process being started while ``check_picklable`` pickles for it:
+    file descriptors are named, never handed over."""
+
+    DupFd = _NamedFd
+
+    @staticmethod
+    def duplicate_for_child(fd: int) -> int:
+        return fd
 
 
 class _Discard:

@@ -3,11 +3,13 @@ message), and saved states that do not belong to the loader (naming each field, 
 
 from __future__ import annotations
 
+import multiprocessing
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 from torch.utils.data import BatchSampler, IterableDataset, SequentialSampler
 
 from lightning_loaders import ResumableLoader
@@ -94,6 +96,33 @@ def test_impossible_settings_fail_at_construction_with_the_fix(dataset, kwargs, 
         dataset, str) else IndexDataset(dataset)
     with pytest.raises(error, match=match):
         ResumableLoader(data, **kwargs)
+
+
+class CountsInSharedMemory(IndexDataset):
+    """Counts its fetches in a ``multiprocessing.Value`` under a ``Lock``: objects that pickle
+    only while a process is started, as torch's ``DataLoader`` starts its workers."""
+
+    def __init__(self, n: int, method: str) -> None:
+        super().__init__(n)
+        context = multiprocessing.get_context(method)
+        self.count = context.Value("i", 0)
+        self.lock = context.Lock()
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        with self.lock:
+            self.count.value += 1
+        return super().__getitem__(index)
+
+
+def test_objects_that_pickle_only_as_a_worker_starts_reach_spawned_workers() -> None:
+    dataset = CountsInSharedMemory(12, "spawn")
+    loader = ResumableLoader(dataset, batch_size=4, shuffle=True, seed=2, num_workers=2,
+                             multiprocessing_context="spawn")
+    batches = [batch["index"].tolist() for batch in loader]
+    loader.close()
+    alone = ResumableLoader(IndexDataset(12), batch_size=4, shuffle=True, seed=2)
+    assert batches == [batch["index"].tolist() for batch in alone]
+    assert dataset.count.value == 12  # the workers' fetches, counted in this process
 
 
 class _Stream(IterableDataset[int]):
