@@ -284,8 +284,8 @@ class WorkerLoader(DeliveryCore):
                        ">= 1 to restart the workers from the cursor and continue")
             else:
                 fix = (f"gave up after {self._epoch_restarts} restarts in this epoch "
-                       f"(max_worker_restarts={self.max_worker_restarts}): look at the "
-                       "workers' memory use, or at the samples of that batch")
+                       f"(max_worker_restarts={self.max_worker_restarts}): "
+                       f"{self._why_workers_end(exitcode)}")
             self._close_after_error()
             raise WorkerCrashedError(f"{what}; {fix}", worker=worker, pid=pid,
                                      exitcode=exitcode, epoch=epoch, batch=batch, rank=rank,
@@ -296,6 +296,19 @@ class WorkerLoader(DeliveryCore):
                      "this epoch)", what, self.num_workers, self._epoch_restarts,
                      self.max_worker_restarts)
         self._close_after_error()
+
+    def _why_workers_end(self, exitcode: int | None) -> str:
+        """Where to look for why workers keep ending with ``exitcode``: a worker killed by a
+        signal (or lost otherwise) points at memory or a sample; one that exited with a code
+        of its own said why on stderr, and a spawned one may not import the main module."""
+        if exitcode is None or exitcode <= 0:
+            return "look at the workers' memory use, or at the samples of that batch"
+        why = "a worker that exits with a code of its own says why on stderr, above"
+        if start_method(self.multiprocessing_context) != "fork":
+            why += ("; a worker started by 'spawn' or 'forkserver' first imports the main "
+                    "module, so a script needs `if __name__ == \"__main__\":` and code given "
+                    "on stdin or in a notebook cell cannot define the dataset")
+        return why
 
     def _stall_error(self, stalled: WorkerStalled) -> WorkerTimeoutError:
         """The error for a batch later than ``timeout`` (workers are stopped first)."""

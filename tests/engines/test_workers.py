@@ -336,8 +336,21 @@ def test_a_crash_that_repeats_gives_up_after_max_worker_restarts() -> None:
         3, None, 2, 1, 0)
     assert error.worker in (0, 1) and error.pid not in (None, os.getpid())
     assert "exited with code 3" in str(error) and "gave up after 2 restarts" in str(error)
+    assert "says why on stderr" in str(error) and "memory" not in str(error)
+    assert "spawn" not in str(error)  # forked workers import nothing
     assert loader.state_dict()["batches"] == 1
     assert loader_processes() == []
+
+
+def test_spawned_workers_that_keep_exiting_point_at_importing_the_main_module(
+        stops_the_fork_server) -> None:
+    loader = ResumableLoader(AlwaysExits(12), batch_size=4, num_workers=1,
+                             max_worker_restarts=1, multiprocessing_context="forkserver")
+    with pytest.raises(WorkerCrashedError, match=r"exited with code 3 .* gave up after 1 "
+                       r"restarts.*says why on stderr.*'spawn' or 'forkserver' first imports "
+                       r"the main module"):
+        list(loader)
+    loader.close()
 
 
 def test_with_recovery_off_a_killed_worker_raises_at_once_naming_worker_pid_and_signal() -> None:
