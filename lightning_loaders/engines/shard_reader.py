@@ -54,6 +54,7 @@ class SlotReader:
         self._it: Iterator[Any] | None = None
         self._it_position = 0  # the shard position the open iterator yields next
         self._peeked: list[tuple[Any, tuple[int, int, Any]]] = []  # (sample, its position)
+        self._failure: Exception | None = None  # raised reading ahead: the next take()'s
         self._emitted = start.window_emitted
         self._buffer: list[Any] = []
         self._taken = 0
@@ -65,6 +66,9 @@ class SlotReader:
 
     def take(self, n: int) -> list[Any]:
         """Up to ``n`` next samples (fewer at the end of the slot's stream)."""
+        if self._failure is not None and n > 0:
+            failure, self._failure = self._failure, None
+            raise failure
         if self._window <= 1:
             out = self._read(n)
             self._emitted += len(out)
@@ -80,11 +84,17 @@ class SlotReader:
         return out
 
     def at_end(self) -> bool:
-        """Whether the slot's stream has no sample left (reads one ahead to know)."""
-        if (self._window > 1 and self._taken < len(self._buffer)) or self._peeked:
+        """Whether the slot's stream has no sample left (reads one ahead to know; an error in
+        that read belongs to the next batch, so the next ``take`` raises it)."""
+        if ((self._window > 1 and self._taken < len(self._buffer)) or self._peeked
+                or self._failure is not None):
             return False
         position = self._position()
-        sample = self._read(1)
+        try:
+            sample = self._read(1)
+        except Exception as exc:
+            self._failure = exc
+            return False
         if not sample:
             return True
         self._peeked.append((sample[0], position))

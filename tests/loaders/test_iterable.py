@@ -421,6 +421,34 @@ def test_errors_name_the_shard_slot_and_epoch(workers: int, backend: str) -> Non
         assert failed.value.worker in range(workers)
 
 
+class _FailsAt(IterableDataset):
+    """A plain stream of ``0 .. n - 1`` whose element ``bad`` raises."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        self.n, self.bad = n, bad
+
+    def __iter__(self) -> Iterator[int]:
+        for i in range(self.n):
+            if i == self.bad:
+                raise KeyError(f"bad {i}")
+            yield i
+
+
+@pytest.mark.parametrize(("workers", "before"), [(0, 16), (2, 16), (3, 12)])
+def test_every_batch_before_a_failing_sample_is_delivered(workers: int, before: int) -> None:
+    """A slot reads one sample past a full batch to know whether its stream ends there; an
+    error in that read belongs to its next batch, so the full one is delivered first, as
+    without workers. Slot ``k`` of ``w`` takes samples ``k, k + w, ...``: with 2 workers the
+    first batch that needs sample 17 is slot 0's third (16, 18, ...), with 3 its second."""
+    loader = ResumableLoader(_FailsAt(40, 17), batch_size=4, num_workers=workers)
+    delivered: list[int] = []
+    with pytest.raises(KeyError, match="bad 17"):
+        for batch in loader:
+            delivered += batch.tolist()
+    loader.close()
+    assert sorted(delivered) == list(range(before))
+
+
 class _KillsItsWorkerOnce(SequenceSource):
     """Opening shard 3 the first time (in a worker) kills that worker, as the OOM killer would."""
 
