@@ -36,7 +36,7 @@ from lightning_loaders.loaders.convert import make_resumable
 from lightning_loaders.loaders.map_style import MapStyleLoader
 from lightning_loaders.loaders.resumable import ResumableLoader
 
-__all__ = ["STATE_KEY", "ResumableDataModule"]
+__all__ = ["STATE_KEY", "ResumableDataModule", "convert_loader", "convert_passed_loaders"]
 
 STATE_KEY = "resumable_loaders"
 _STATE_VERSION = 1
@@ -67,11 +67,7 @@ class ResumableDataModule(L.LightningDataModule):
 
     def convert(self, loader: Any, stage: str) -> Any:
         """Make one loader resumable (``stage``: train, validate, test or predict)."""
-        if isinstance(loader, ResumableLoader) or not isinstance(loader, DataLoader):
-            return loader
-        if stage == "train":
-            return make_resumable(loader)
-        return make_resumable(loader, evaluation=True)
+        return convert_loader(loader, stage)
 
     def state_dict(self) -> dict[str, Any]:
         """The training loaders' cursors (under ``STATE_KEY``)."""
@@ -151,6 +147,29 @@ def _cursors(module: ResumableDataModule) -> _Cursors:
     if cursors is None:
         cursors = module.__dict__["_resumable_cursors"] = _Cursors()
     return cursors
+
+
+def convert_loader(loader: Any, stage: str) -> Any:
+    """A plain ``DataLoader`` made resumable for ``stage`` (train, validate, test or predict:
+    evaluation loaders read every sample once on every rank); anything else as it is."""
+    if isinstance(loader, ResumableLoader) or not isinstance(loader, DataLoader):
+        return loader
+    if stage == "train":
+        return make_resumable(loader)
+    return make_resumable(loader, evaluation=True)
+
+
+def convert_passed_loaders(trainer: L.Trainer) -> None:
+    """Make the plain ``DataLoader``s passed straight to ``trainer.fit`` resumable, as
+    ``ResumableDataModule`` makes its hooks' loaders: Lightning would give them its
+    ``DistributedSampler``, whose epoch restarts on resume. Loaders that come from hooks (a
+    module's or a datamodule's) are left to them."""
+    fit_loop = trainer.fit_loop
+    for source, stage in ((fit_loop._data_source, "train"),
+                          (fit_loop.epoch_loop.val_loop._data_source, "validate")):
+        if source.instance is not None and not source.is_module():
+            source.instance = _convert_tree(source.instance,
+                                            functools.partial(convert_loader, stage=stage))
 
 
 def _converting(hook: Callable[..., Any], stage: str) -> Callable[..., Any]:

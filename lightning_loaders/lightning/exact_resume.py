@@ -48,6 +48,7 @@ from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_loaders.lightning.datamodule import convert_passed_loaders
 from lightning_loaders.schedule.audit import saved_digest
 from lightning_loaders.state import abandoned
 
@@ -265,7 +266,11 @@ class ExactResume(Callback):
     # -- hooks ------------------------------------------------------------------------------
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Keep the trainer; in ``fit``, make the plain ``DataLoader``s passed straight to it
+        resumable (``datamodule.convert_passed_loaders``)."""
         self._trainer = weakref.ref(trainer)
+        if stage == TrainerFn.FITTING:
+            convert_passed_loaders(trainer)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Let the next epoch start as usual after a restart at an epoch's last batch (also

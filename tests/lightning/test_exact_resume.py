@@ -118,6 +118,12 @@ def plain_validation(kind: str) -> Loaders:
     return make
 
 
+def plain_loaders() -> tuple[Any, Any]:
+    """What a user writes: plain shuffled training and validation ``DataLoader``s."""
+    return (DataLoader(IndexDataset(12), batch_size=2, shuffle=True),
+            DataLoader(IndexDataset(6), batch_size=2, shuffle=True))
+
+
 def fit(loaders: Loaders, root: Path, callbacks: Iterable[Any] = (), exact: bool = True,
         ckpt_path: Path | None = None, max_epochs: int = 2,
         module: Callable[[], EventModule] = EventModule, **trainer_kwargs: Any) -> list[Event]:
@@ -168,6 +174,19 @@ def test_every_checkpoint_resumes_to_the_uninterrupted_run(tmp_path: Path,
     assert exact_steps == steps == list(range(1, STEPS + 1))  # 12/12
 
 
+def test_plain_dataloaders_passed_to_fit_are_made_resumable(tmp_path: Path) -> None:
+    """No glue: the ``DataLoader``s given to ``fit`` are converted as a
+    ``ResumableDataModule`` converts its hooks' (a training epoch resumed mid-way would
+    otherwise restart, as Lightning's ``DistributedSampler`` does)."""
+    trainer = make_trainer(tmp_path, 1, [ExactResume()])
+    trainer.fit(EventModule(), *plain_loaders())
+    assert isinstance(trainer.train_dataloader, ResumableLoader)
+    assert isinstance(trainer.val_dataloaders, ResumableLoader)
+    full, steps, exact_steps = resume_from_every_step(plain_loaders, tmp_path / "run",
+                                                      val_check_interval=0.5)
+    assert exact_steps == steps == list(range(1, STEPS + 1))
+
+
 def test_without_it_a_shuffled_validation_loader_restarts_its_order(tmp_path: Path) -> None:
     """Each pass is a new epoch of the validation loader: its state must travel with the
     checkpoint even between passes (Lightning saves only the training loaders')."""
@@ -194,20 +213,27 @@ class Recording(IndexDataset):
 @pytest.mark.parametrize("kind", ["ResumableLoader", "DataLoader"])
 def test_the_rest_of_a_pass_comes_from_the_cursor_or_a_replay(tmp_path: Path,
                                                               kind: str) -> None:
-    """A resumable validation loader jumps to where the pass stood; a plain one is read from
-    its start and the validated batches are dropped."""
+    """A resumable validation loader jumps to where the pass stood; a plain one (from the
+    module's own hook, which ``ExactResume`` leaves as it is) is read from its start and the
+    validated batches are dropped."""
     fetched: list[int] = []
+
+    class ValidatesFromItsHook(EventModule):
+        def val_dataloader(self) -> DataLoader[Any]:
+            return DataLoader(Recording(10, fetched), batch_size=2)
 
     def loaders() -> tuple[Any, Any]:
         train, _ = resumable()()
         if kind == "DataLoader":
-            return train, DataLoader(Recording(10, fetched), batch_size=2)
+            return train, None
         return train, ResumableLoader(Recording(10, fetched), batch_size=2, evaluation=True)
 
+    module = ValidatesFromItsHook if kind == "DataLoader" else EventModule
     path = tmp_path / "inside.ckpt"
-    full = fit(loaders, tmp_path, [SaveDuringValidation(path, 1, 2)], val_check_interval=0.5)
+    full = fit(loaders, tmp_path, [SaveDuringValidation(path, 1, 2)], module=module,
+               val_check_interval=0.5)
     fetched.clear()
-    assert fit(loaders, tmp_path, ckpt_path=path, val_check_interval=0.5) == full
+    assert fit(loaders, tmp_path, ckpt_path=path, module=module, val_check_interval=0.5) == full
     rest = [6, 7, 8, 9]
     expected = list(range(6)) + rest if kind == "DataLoader" else rest
     assert fetched[:len(expected)] == expected

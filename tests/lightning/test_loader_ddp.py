@@ -63,3 +63,22 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank_exactly_once(uninterrupted, t
     assert sorted(consumed + rest_of_epoch) == list(range(N))
     next_epoch = [i for e, _, b in seen if e == 1 for i in b]
     assert sorted(next_epoch) == list(range(N))
+
+
+def test_plain_dataloaders_passed_to_fit_become_distributed_and_resumable(tmp_path: Path
+                                                                          ) -> None:
+    """No glue: with ``ExactResume``, a plain shuffled ``DataLoader`` given to ``fit`` covers
+    every sample once per epoch across the ranks, and a mid-epoch checkpoint resumes every
+    rank at its next batch."""
+    ckpt = tmp_path / "ckpt"
+    full = run_ddp(SCRIPT, ["--plain", "--workers", "2", "--ckpt-dir", str(ckpt)],
+                   tmp_path / "full")
+    for epoch in range(EPOCHS):
+        per_rank = [[b for e, _, b in r["seen"] if e == epoch] for r in full]
+        assert len(per_rank[0]) == len(per_rank[1]) == 4
+        counts = Counter(i for r in per_rank for b in r for i in b)
+        assert sorted(counts) == list(range(N)) and set(counts.values()) == {1}
+    resumed = run_ddp(SCRIPT, ["--plain", "--workers", "2", "--resume",
+                               str(checkpoint_at(ckpt, 3))], tmp_path / "resumed")
+    for whole, again in zip(full, resumed, strict=True):
+        assert _as_steps(again["seen"]) == _as_steps(whole["seen"])[3:]

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
-from lightning_loaders import ResumableLoader
+from lightning_loaders import ExactResume, ResumableLoader
 from lightning_loaders.sources.shards import SequenceSource
 from tests.conftest import IndexDataset
 from tests.ddp_harness import write_result
@@ -27,6 +28,8 @@ parser.add_argument("--resume", type=Path)
 parser.add_argument("--out-of-order", action="store_true", help="in_order=False")
 parser.add_argument("--iterable", action="store_true",
                     help="a ShardedSource of 4 shards (known lengths) instead of IndexDataset")
+parser.add_argument("--plain", action="store_true",
+                    help="a plain shuffled DataLoader passed to fit, with ExactResume")
 args = parser.parse_args()
 
 
@@ -41,9 +44,16 @@ def make_loader(**overrides: Any) -> ResumableLoader:
                            last_batch=args.last_batch, **options)
 
 
+def plain_loader() -> DataLoader[Any]:
+    return DataLoader(IndexDataset(args.samples), batch_size=args.batch_size, shuffle=True,
+                      num_workers=args.workers)
+
+
 callbacks = [every_step_checkpoints(args.ckpt_dir)] if args.ckpt_dir else []
-seen = fit_recording(make_loader, Path(args.ckpt_dir or "."), args.epochs, callbacks,
-                     ckpt_path=args.resume, strategy="ddp", devices=2)
+if args.plain:
+    callbacks.append(ExactResume())
+seen = fit_recording(plain_loader if args.plain else make_loader, Path(args.ckpt_dir or "."),
+                     args.epochs, callbacks, ckpt_path=args.resume, strategy="ddp", devices=2)
 rank = dist.get_rank()
 plans = []  # this rank's planned batches per epoch, in order
 for epoch in range(args.epochs):
