@@ -30,8 +30,8 @@ from torch.utils.data import _utils as torch_data_utils
 
 from lightning_loaders.engines.faults import Raised
 
-__all__ = ["POLL_S", "Arrival", "InProcess", "PoolIterator", "WorkerLost", "WorkerStalled",
-           "pin_target"]
+__all__ = ["POLL_S", "Arrival", "FetchTimer", "InProcess", "PoolIterator", "WorkerLost",
+           "WorkerStalled", "pin_target"]
 
 POLL_S = 0.1
 """Seconds between liveness checks of the workers while the main process waits for a batch."""
@@ -215,15 +215,33 @@ class PoolIterator(Iterator[Any]):
         return w
 
 
+class FetchTimer(Protocol):
+    """What ``InProcess`` reports its fetches to (``backend="auto"``'s ``AutoChoice``): while
+    ``serial_phase`` holds, each fetch's wall and CPU seconds and its result, as fetches that
+    ran alone."""
+
+    @property
+    def serial_phase(self) -> bool: ...
+
+    def record(self, serial: bool, wall_s: float, result: Any, cpu_s: float) -> None: ...
+
+
 class InProcess:
     """What a pool does without workers: each request is fetched in the calling thread when
-    its result is asked for (pinned when ``pin`` names a device)."""
+    its result is asked for (pinned when ``pin`` names a device), and timed for ``timer``
+    while it measures fetches alone."""
 
-    def __init__(self, fetcher: Any, sampler: Iterable[Any], pin: str | None) -> None:
-        self.fetcher, self.sampler, self.pin = fetcher, sampler, pin
+    def __init__(self, fetcher: Any, sampler: Iterable[Any], pin: str | None,
+                 timer: FetchTimer | None = None) -> None:
+        self.fetcher, self.sampler, self.pin, self.timer = fetcher, sampler, pin, timer
 
     def __iter__(self) -> Iterator[Any]:
-        fetcher, pin = self.fetcher, self.pin
+        fetcher, pin, timer = self.fetcher, self.pin, self.timer
         for request in self.sampler:
-            data = fetcher[request]
+            if timer is not None and timer.serial_phase:
+                start, cpu = time.perf_counter(), time.thread_time()
+                data = fetcher[request]
+                timer.record(True, time.perf_counter() - start, data, time.thread_time() - cpu)
+            else:
+                data = fetcher[request]
             yield data if pin is None else torch_data_utils.pin_memory.pin_memory(data, pin)

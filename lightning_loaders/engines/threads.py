@@ -18,7 +18,8 @@ stalled thread is left to finish its fetch on its own (it is a daemon thread, an
 ``AutoChoice`` with a pool measures whether threads pay (``backend="auto"``): whether they
 deliver faster than processes could, which ``choose_backend`` estimates from the fetch times
 alone and with every thread busy, the cores the process used meanwhile, and what a batch would
-take to cross from a process.
+take to cross from a process. Where that crossing is a small share of processes' time per
+batch (``crossing_share``), processes are taken after the first fetch alone.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from lightning_loaders.engines.pool import (
 from lightning_loaders.engines.transport import transit_s
 
 __all__ = [
+    "CROSSING_SHARE",
     "EARLY_LEAD",
     "MIN_SPAN_S",
     "WAITING",
@@ -59,6 +61,7 @@ __all__ = [
     "ThreadPool",
     "ThreadWorker",
     "choose_backend",
+    "crossing_share",
     "speedups",
     "thread_worker",
 ]
@@ -74,6 +77,9 @@ EARLY_LEAD = 1.25
 MIN_SPAN_S = 0.05
 """The shortest concurrent phase whose CPU use ``backend="auto"`` reads (the process's CPU time
 advances in ticks of a few milliseconds: a shorter span would say little)."""
+CROSSING_SHARE = 0.1
+"""The largest share of processes' time per batch spent on its crossing for which
+``backend="auto"`` takes processes without trying threads (``crossing_share``)."""
 JOIN_S = 60.0
 """How long ``close()`` waits for a thread to finish the fetch it is in before leaving it."""
 NOTICE_S = 2.0
@@ -117,6 +123,18 @@ def choose_backend(serial_s: list[float], concurrent_s: list[float], num_workers
     return "thread" if threads > processes else "process"
 
 
+def crossing_share(serial_s: list[float], transit_s: float, num_workers: int,
+                   cores: int) -> float:
+    """The share of a batch's time, as processes deliver it, that goes to its crossing: of
+    ``median(serial_s) / min(num_workers, cores) + transit_s`` (see ``speedups``), the
+    ``transit_s``. No backend delivers faster than the fetches run in parallel, so this is the
+    most any could gain over processes."""
+    if math.isinf(transit_s):  # what does not pickle cannot cross at all
+        return 1.0
+    parallel = statistics.median(serial_s) / min(num_workers, cores)
+    return transit_s / (parallel + transit_s) if transit_s > 0 else 0.0
+
+
 def speedups(serial_s: list[float], concurrent_s: list[float], num_workers: int, cores: int,
              parallelism: float | None = None, transit_s: float = 0.0) -> tuple[float, float]:
     """How many times faster than one fetch alone threads and processes deliver batches.
@@ -152,62 +170,80 @@ def speedups(serial_s: list[float], concurrent_s: list[float], num_workers: int,
 class AutoChoice:
     """``backend="auto"``'s measurement and decision, kept by the loader across pools.
 
-    The first ``probe`` fetches run one at a time (``serial``), the next ``probe`` with every
-    thread busy on one request (``concurrent``); what each result would take to cross from a
-    process is timed meanwhile (``transit``). Then ``choose_backend`` decides, once for the
-    loader's life, also from the process's CPU seconds per wall second over the concurrent
-    phase (``parallelism``, when that phase lasted at least ``min_span_s``). ``backend`` is
-    ``None`` until then. ``probe`` defaults to twice the number of workers.
+    The first ``probe`` fetches run one at a time (``serial``: on one thread, or in the main
+    process while ``num_workers="auto"`` starts without workers), the next ``probe`` on
+    threads with every one busy on one request (``concurrent``); what each result would take
+    to cross from a process is timed meanwhile (``transit``). Then ``choose_backend`` decides,
+    once for the loader's life, also from the process's CPU seconds per wall second over the
+    concurrent phase (``parallelism``, when that phase lasted at least ``min_span_s``).
+    ``backend`` is ``None`` until then. ``probe`` defaults to twice the number of workers,
+    which the loader sets (``num_workers``) before the threads start.
 
-    Two shortcuts spare the probe's slow batches. ``alone_s``, a batch's fetch time already
-    measured alone (``num_workers="auto"`` starts in the main process), skips the serial phase.
-    And after the first ``num_workers`` concurrent fetches, processes are taken at once when
-    their speed-up leads the threads' by ``EARLY_LEAD`` (``speedups``, ``parallelism`` left
-    out: over so short a span it is unknown): work that holds the GIL is slowest on threads
-    exactly while they are measured. Threads are never chosen early: a wrong choice of threads
-    costs the GIL's slowdown for the whole run, a wrong choice of processes only the crossing.
+    Two shortcuts spare the probe's slow batches; both take processes, never threads (a wrong
+    choice of threads costs the GIL's slowdown for the whole run, a wrong choice of processes
+    at most the crossing):
+
+    - After each fetch alone, processes are taken without trying threads when the fetches
+      alone computed (their thread's CPU time, ``serial_cpu``, is at least ``WAITING`` of
+      their wall time) and a batch's crossing is at most ``CROSSING_SHARE`` of what
+      processes take per batch (``crossing_share``): threads, at best as fast as the fetches
+      run in parallel with nothing to cross, could gain no more than that. Fetches that
+      mostly wait (I/O) are left to the probe, which keeps threads for them.
+    - After the first ``num_workers`` concurrent fetches, processes are taken when their
+      speed-up leads the threads' by ``EARLY_LEAD`` (``speedups``, ``parallelism`` left out:
+      over so short a span it is unknown): work that holds the GIL is slowest on threads
+      exactly while they are measured.
     """
 
     num_workers: int
     probe: int = 0
     backend: str | None = None
-    alone_s: float | None = None
     serial: list[float] = field(default_factory=list)
+    serial_cpu: list[float] = field(default_factory=list)
     concurrent: list[float] = field(default_factory=list)
     transit: list[float] = field(default_factory=list)
     parallelism: float | None = None
     min_span_s: float = MIN_SPAN_S
     _phase_start: tuple[float, float] | None = field(default=None, init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        self.probe = self.probe or 2 * self.num_workers
-        if self.alone_s is not None:
-            self._start_concurrent_phase()
-
     @property
     def serial_phase(self) -> bool:
-        return self.backend is None and self.alone_s is None and len(self.serial) < self.probe
+        return self.backend is None and len(self.serial) < (self.probe or 2 * self.num_workers)
 
-    def record(self, serial: bool, wall_s: float, result: Any) -> None:
-        """Note one fetch's wall time and what its ``result`` would take to cross from a
-        process; decide once both phases are measured, or early (class docstring)."""
+    def sending(self) -> None:
+        """A request goes to a thread: the concurrent phase starts with the first one sent
+        after the serial phase (its CPU use is read from there)."""
+        if self.backend is None and self._phase_start is None and not self.serial_phase:
+            self._phase_start = (time.perf_counter(), time.process_time())
+
+    def record(self, serial: bool, wall_s: float, result: Any, cpu_s: float) -> None:
+        """Note one fetch's wall time, its thread's CPU time, and what its ``result`` would
+        take to cross from a process; decide once both phases are measured, or early (class
+        docstring)."""
         if self.backend is not None:
             return
         (self.serial if serial else self.concurrent).append(wall_s)
+        if serial:
+            self.serial_cpu.append(cpu_s)
         if not isinstance(result, torch_data_utils.ExceptionWrapper | Raised):
             self.transit.append(transit_s(result))
-        if serial and not self.serial_phase:
-            self._start_concurrent_phase()
-        if len(self.concurrent) >= self.probe:
+        cores = available_cpus()
+        if serial and self.transit and _computed(self.serial, self.serial_cpu):
+            share = crossing_share(self.serial, self._transit(), self.num_workers, cores)
+            if share <= CROSSING_SHARE:
+                self.backend = "process"
+                _log.info("backend='auto' chose process workers without trying threads: a "
+                          "batch's crossing from a process (%.4f s) is %.1f%% of what %d "
+                          "processes take per batch (fetch times alone %s s), at most "
+                          "CROSSING_SHARE=%.0f%%", self._transit(), 100 * share,
+                          self.num_workers, _rounded(self.serial), 100 * CROSSING_SHARE)
+        elif len(self.concurrent) >= (self.probe or 2 * self.num_workers):
             self._decide(self._parallelism())
         elif len(self.concurrent) == self.num_workers:
-            threads, processes = speedups(self._alone(), self.concurrent, self.num_workers,
-                                          available_cpus(), transit_s=self._transit())
+            threads, processes = speedups(self.serial, self.concurrent, self.num_workers, cores,
+                                          transit_s=self._transit())
             if processes >= EARLY_LEAD * threads:
                 self._decide(None, early=True)
-
-    def _start_concurrent_phase(self) -> None:
-        self._phase_start = (time.perf_counter(), time.process_time())
 
     def _parallelism(self) -> float | None:
         if self._phase_start is not None:
@@ -216,20 +252,23 @@ class AutoChoice:
                 self.parallelism = (time.process_time() - self._phase_start[1]) / wall
         return self.parallelism
 
-    def _alone(self) -> list[float]:
-        return self.serial if self.alone_s is None else [self.alone_s]
-
     def _transit(self) -> float:
         return statistics.median(self.transit) if self.transit else 0.0
 
     def _decide(self, parallelism: float | None, early: bool = False) -> None:
-        self.backend = choose_backend(self._alone(), self.concurrent, self.num_workers,
+        self.backend = choose_backend(self.serial, self.concurrent, self.num_workers,
                                       available_cpus(), parallelism, self._transit())
         used = "unknown" if parallelism is None else f"{parallelism:.2f}"
         _log.info("backend='auto' chose %s workers%s (fetch times alone %s s, all threads busy "
                   "%s s, CPU seconds per second meanwhile: %s, a batch's crossing from a "
                   "process: %.4f s)", self.backend, " early" * early,
-                  _rounded(self._alone()), _rounded(self.concurrent), used, self._transit())
+                  _rounded(self.serial), _rounded(self.concurrent), used, self._transit())
+
+
+def _computed(wall_s: list[float], cpu_s: list[float]) -> bool:
+    """Whether fetches computed rather than waited: their thread's CPU time is at least
+    ``WAITING`` of their wall time (medians)."""
+    return statistics.median(cpu_s) >= WAITING * statistics.median(wall_s)
 
 
 def _rounded(values: list[float]) -> list[float]:
@@ -248,6 +287,7 @@ class _Result(NamedTuple):
     number: int
     data: Any
     wall_s: float  # from the request's sending to its result: waits for the GIL count too
+    cpu_s: float  # the thread's CPU time in the fetch
 
 
 class _Worker(NamedTuple):
@@ -412,6 +452,7 @@ def _serve(me: ThreadWorker, inbox: queue.SimpleQueue[_Task | None],
         fetcher = me.dataset
         while (task := inbox.get()) is not None:
             data: Any = failure
+            cpu = time.thread_time()
             if data is None:
                 try:
                     data = fetcher[task.request]
@@ -420,7 +461,7 @@ def _serve(me: ThreadWorker, inbox: queue.SimpleQueue[_Task | None],
                 except BaseException:
                     data = captured(where)
             outbox.put(_Result(task.generation, task.number, data,
-                               time.perf_counter() - task.sent))
+                               time.perf_counter() - task.sent, time.thread_time() - cpu))
             del data, task
     finally:
         set_samples(None)
@@ -464,6 +505,8 @@ class _ThreadIterator(PoolIterator):
         auto = self._pool.auto
         if auto is not None and auto.serial_phase:
             self._serial.add(number)
+        elif auto is not None:
+            auto.sending()
         workers[worker].inbox.put(_Task(self._generation, number, request, time.perf_counter()))
 
     def _take(self) -> Arrival:
@@ -485,7 +528,7 @@ class _ThreadIterator(PoolIterator):
             serial = result.number in self._serial
             self._serial.discard(result.number)
             if pool.auto is not None:
-                pool.auto.record(serial, result.wall_s, result.data)
+                pool.auto.record(serial, result.wall_s, result.data, result.cpu_s)
             return Arrival(result.number, result.data)
 
     def _check_alive(self) -> None:

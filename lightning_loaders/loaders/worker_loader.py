@@ -206,13 +206,6 @@ class WorkerLoader(DeliveryCore):
         return backend is not None and not (backend == "process"
                                             and isinstance(self._pool, ThreadPool))
 
-    def _fetch_alone_s(self) -> float | None:
-        """Seconds a batch took to fetch in the main process, measured by ``num_workers="auto"``
-        before any worker ran (``None``: not measured)."""
-        trials = self._autotuner.tuning.trials if self._autotuner is not None else ()
-        alone = [trial.window.fetch_s for trial in trials if trial.setting.workers == 0]
-        return alone[0] if alone else None
-
     def _batches_left(self) -> int | None:
         """Batches left in the current epoch on this rank (``None``: unknown)."""
         try:
@@ -236,8 +229,13 @@ class WorkerLoader(DeliveryCore):
         ``close()``). ``balanced``: any worker can answer any request, so the workers with the
         fewest in hand get the next ones (a slot's requests go to its own worker, which keeps
         its reader)."""
-        if self.backend == "auto" and self._auto is None and self.num_workers > 0:
-            self._auto = AutoChoice(self.num_workers, alone_s=self._fetch_alone_s())
+        if self.backend == "auto" and self._auto is None:
+            if self.num_workers > 0:
+                self._auto = AutoChoice(self.num_workers)
+            elif self._autotuner is not None:  # the main process times fetches alone for it
+                self._auto = AutoChoice(self._autotuner.config.max_workers or 1)
+        if self._auto is not None and self._auto.backend is None and self.num_workers > 0:
+            self._auto.num_workers = self.num_workers
         threads = self.num_workers > 0 and self.backend_in_use != "process"
         if self._pool is None and threads:
             rank, world_size = self.schedule.placement
@@ -250,7 +248,8 @@ class WorkerLoader(DeliveryCore):
                 auto=self._auto if self.backend_in_use is None else None)
         if self._pool is None and self.num_workers == 0:
             self._pool = InProcess(fetcher, sampler,
-                                           pin_target(self.pin_memory, self.pin_memory_device))
+                                   pin_target(self.pin_memory, self.pin_memory_device),
+                                   self._auto)
         if self._pool is None:
             rank, world_size = self.schedule.placement
             self._pool = ProcessPool(

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from lightning_loaders.engines import threads as threads_module
-from lightning_loaders.engines.pool import WorkerStalled
+from lightning_loaders.engines.pool import InProcess, WorkerStalled
 from lightning_loaders.engines.threads import (
+    CROSSING_SHARE,
     EARLY_LEAD,
     MIN_SPAN_S,
     WAITING,
@@ -27,6 +28,7 @@ from lightning_loaders.engines.threads import (
     BackendSwitch,
     ThreadPool,
     choose_backend,
+    crossing_share,
     speedups,
     thread_worker,
 )
@@ -297,15 +299,32 @@ def test_auto_measures_fetches_alone_then_all_threads_busy() -> None:
     pool.close()
 
 
-def test_a_fetch_time_measured_alone_already_skips_the_serial_phase() -> None:
+def test_fetches_in_the_main_process_are_the_serial_phase() -> None:
+    """``num_workers="auto"`` starts without workers: the main process's fetches are timed
+    as fetches alone until the serial phase is full, and the threads then start busy."""
+    auto = AutoChoice(2)
+    main = InProcess(Sleeps(0.05), range(6), None, timer=auto)
+    assert list(main) == list(range(6))
+    assert len(auto.serial) == len(auto.serial_cpu) == len(auto.transit) == 4  # then not timed
+    assert min(auto.serial) >= 0.05 > max(auto.serial_cpu)  # sleeping: waited, not computed
+    assert auto.backend is None and not auto.serial_phase
     fetcher = Recorder(0.05)
-    auto = AutoChoice(2, alone_s=0.05)
-    assert not auto.serial_phase
     pool = ThreadPool(fetcher, range(4), num_workers=2, auto=auto)
     list(pool)
-    assert fetcher.most_at_once == 2 and auto.serial == [] and len(auto.concurrent) == 4
+    assert fetcher.most_at_once == 2 and len(auto.serial) == 4 and len(auto.concurrent) == 4
     assert auto.backend == "thread" and auto.parallelism is not None  # sleeps: threads wait
     pool.close()
+
+
+class Sleeps:
+    """``fetcher[r]`` is ``r`` after ``seconds`` of sleep, in any thread."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __getitem__(self, request: int) -> int:
+        time.sleep(self.seconds)
+        return request
 
 
 class HoldsTheGil:
@@ -324,8 +343,10 @@ class HoldsTheGil:
 def test_a_fetch_that_holds_the_gil_is_timed_from_its_request(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """With every thread busy, a thread waits for the GIL before its fetch can start: that
-    wait counts, so pure-Python work does not look as fast on two threads as alone."""
+    wait counts, so pure-Python work does not look as fast on two threads as alone (the
+    crossing shortcut, which would skip the threads' measurement, is off)."""
     monkeypatch.setattr(threads_module, "available_cpus", lambda: 2)
+    monkeypatch.setattr(threads_module, "CROSSING_SHARE", 0.0)
     auto = AutoChoice(2)
     pool = ThreadPool(HoldsTheGil(0.006), range(8), num_workers=2, auto=auto)
     with pytest.raises(BackendSwitch):
@@ -335,14 +356,16 @@ def test_a_fetch_that_holds_the_gil_is_timed_from_its_request(
     pool.close()
 
 
-def _probe(auto: AutoChoice, serial_s: float, concurrent_s: list[float]) -> list[str | None]:
+def _probe(auto: AutoChoice, serial_s: float, concurrent_s: list[float],
+           cpu_share: float = 0.0) -> list[str | None]:
     """What ``auto`` has chosen after each of ``concurrent_s``, fed after its serial phase's
-    fetches alone of ``serial_s`` each."""
+    fetches alone of ``serial_s`` each, which used ``cpu_share`` of their time on a CPU (by
+    default none: they waited, and the crossing shortcut stays out)."""
     while auto.serial_phase:
-        auto.record(True, serial_s, None)
+        auto.record(True, serial_s, None, cpu_share * serial_s)
     chosen = []
     for wall_s in concurrent_s:
-        auto.record(False, wall_s, None)
+        auto.record(False, wall_s, None, 0.0)
         chosen.append(auto.backend)
     return chosen
 
@@ -362,9 +385,46 @@ def test_auto_takes_processes_after_one_busy_round_when_they_lead_clearly(
     # threads as fast at once as alone (they wait, or release the GIL): never chosen early
     chosen = _probe(AutoChoice(2, min_span_s=math.inf), 1.0, [1.0, 1.0, 1.0, 1.0])
     assert chosen == [None, None, None, "thread"]
-    # with a fetch time alone already measured, no serial phase and the same early rule
-    auto = AutoChoice(2, alone_s=1.0)
-    assert _probe(auto, 1.0, [2.0, 2.0]) == [None, "process"] and auto.serial == []
+
+
+def test_crossing_share_is_the_most_any_backend_could_gain_over_processes() -> None:
+    """Processes deliver a batch every ``fetch alone / min(workers, cores) + crossing``; no
+    backend beats the fetches in parallel, so the crossing's share is all there is to gain."""
+    assert crossing_share([0.008, 0.012], 0.0004, 2, 2) == pytest.approx(0.0004 / 0.0054)
+    assert crossing_share([0.01], 0.0004, 4, 2) == crossing_share([0.01], 0.0004, 2, 2)
+    assert crossing_share([0.01], math.inf, 2, 2) == 1.0  # a result that does not pickle
+    assert crossing_share([0.0], 0.0, 2, 2) == 0.0
+
+
+def test_fetches_that_compute_and_cross_cheaply_take_processes_without_trying_threads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After one fetch alone: processes at once when it computed (its thread's CPU time)
+    and a batch's crossing is at most ``CROSSING_SHARE`` of processes' time per batch;
+    fetches that waited, or whose crossing would cost more, go on to the threads' probe."""
+    monkeypatch.setattr(threads_module, "available_cpus", lambda: 2)
+    assert TRANSIT_BATCH_S / (0.008 / 2 + TRANSIT_BATCH_S) < CROSSING_SHARE
+    computed = AutoChoice(2)
+    computed.record(True, 0.008, None, 0.0075)
+    assert computed.backend == "process" and computed.concurrent == []
+    waited = AutoChoice(2)
+    waited.record(True, 0.008, None, 0.0001)  # I/O: threads wait as well as processes
+    assert waited.backend is None and waited.serial_phase
+    costly = AutoChoice(2)  # 0.2 ms of work: crossing it would take most of a batch's time
+    costly.record(True, 0.0002, None, 0.0002)
+    assert costly.backend is None and TRANSIT_BATCH_S / (0.0001 + TRANSIT_BATCH_S) > 0.5
+
+
+def test_pure_python_work_switches_to_processes_after_one_fetch_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real threads: the first fetch alone computes and its result crosses cheaply, so the
+    threads hand over to processes before any of them runs busy."""
+    monkeypatch.setattr(threads_module, "available_cpus", lambda: 2)
+    auto = AutoChoice(2)
+    pool = ThreadPool(HoldsTheGil(0.02), range(8), num_workers=2, auto=auto)
+    with pytest.raises(BackendSwitch):
+        list(pool)
+    assert auto.backend == "process" and len(auto.serial) == 1 and auto.concurrent == []
+    pool.close()
 
 
 def test_while_auto_measures_the_threads_hold_one_request_each() -> None:

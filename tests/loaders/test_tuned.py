@@ -85,7 +85,7 @@ def recorded(loader: ResumableLoader, epochs: int) -> tuple[list[Any], list[dict
 def test_an_autotuned_run_delivers_the_same_bytes_and_states_as_fixed_runs(
         kind: str, backend: str) -> None:
     """Under every backend: the tuned worker count runs as processes or threads;
-    ``backend="auto"`` takes the fetch time alone that the main process measured."""
+    ``backend="auto"`` takes its fetches alone from the main process, before any worker."""
     fixed = {w: recorded(factory(kind, w)(), 2) for w in (0, 2)}
     with factory(kind, FORCED, backend=backend)() as tuned:
         batches, states, workers = recorded(tuned, 2)
@@ -93,8 +93,8 @@ def test_an_autotuned_run_delivers_the_same_bytes_and_states_as_fixed_runs(
         auto = tuned._auto
     assert tuning is not None and tuning.changes >= 2
     if backend == "auto":
-        assert auto is not None and auto.serial == [] and auto.backend is not None
-        assert auto.alone_s == tuning.trials[0].window.fetch_s > 0
+        assert auto is not None and auto.backend is not None  # fetches alone were timed
+        assert len(auto.serial) == 2 * FORCED.max_workers and min(auto.serial) >= 3 * SLEEP_S
     assert any(trial.setting.workers > 0 for trial in tuning.trials)
     assert len(set(workers)) > 1, f"the worker count never changed while loading: {workers}"
     assert batches == fixed[0][0] == fixed[2][0]
