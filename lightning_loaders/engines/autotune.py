@@ -151,7 +151,7 @@ class AutotuneConfig:
     start_workers: int = 0
     probe: int = 4
     window: int = 16
-    min_window_s: float = 0.05
+    min_window_s: float = 0.02
     warmup: int = 4
     high_wait: float = 0.05
     min_gain: float = 0.05
