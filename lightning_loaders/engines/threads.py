@@ -19,7 +19,7 @@ stalled thread is left to finish its fetch on its own (it is a daemon thread, an
 deliver faster than processes could, which ``choose_backend`` estimates from the fetch times
 alone and with every thread busy, the cores the process used meanwhile, and what a batch would
 take to cross from a process. Where that crossing is a small share of processes' time per
-batch (``crossing_share``), processes are taken after the first fetch alone.
+batch (``crossing_share``), processes are taken after two fetches alone.
 """
 
 from __future__ import annotations
@@ -123,15 +123,14 @@ def choose_backend(serial_s: list[float], concurrent_s: list[float], num_workers
     return "thread" if threads > processes else "process"
 
 
-def crossing_share(serial_s: list[float], transit_s: float, num_workers: int,
-                   cores: int) -> float:
+def crossing_share(fetch_s: float, transit_s: float, num_workers: int, cores: int) -> float:
     """The share of a batch's time, as processes deliver it, that goes to its crossing: of
-    ``median(serial_s) / min(num_workers, cores) + transit_s`` (see ``speedups``), the
-    ``transit_s``. No backend delivers faster than the fetches run in parallel, so this is the
-    most any could gain over processes."""
+    ``fetch_s / min(num_workers, cores) + transit_s`` (see ``speedups``; ``fetch_s`` a fetch
+    alone), the ``transit_s``. No backend delivers faster than the fetches run in parallel, so
+    this is the most any could gain over processes."""
     if math.isinf(transit_s):  # what does not pickle cannot cross at all
         return 1.0
-    parallel = statistics.median(serial_s) / min(num_workers, cores)
+    parallel = fetch_s / min(num_workers, cores)
     return transit_s / (parallel + transit_s) if transit_s > 0 else 0.0
 
 
@@ -183,12 +182,14 @@ class AutoChoice:
     choice of threads costs the GIL's slowdown for the whole run, a wrong choice of processes
     at most the crossing):
 
-    - After each fetch alone, processes are taken without trying threads when the fetches
-      alone computed (their thread's CPU time, ``serial_cpu``, is at least ``WAITING`` of
-      their wall time) and a batch's crossing is at most ``CROSSING_SHARE`` of what
-      processes take per batch (``crossing_share``): threads, at best as fast as the fetches
-      run in parallel with nothing to cross, could gain no more than that. Fetches that
-      mostly wait (I/O) are left to the probe, which keeps threads for them.
+    - From the second fetch alone on, processes are taken without trying threads when the
+      fetches alone computed (their thread's CPU time, ``serial_cpu``, is at least
+      ``WAITING`` of their wall time) and a batch's crossing is at most ``CROSSING_SHARE`` of
+      what processes take per batch (``crossing_share``, with the fastest fetch alone: a
+      first fetch pays for cold caches and set-up that later ones do not, and a slow one
+      would understate the crossing's share). Threads, at best as fast as the fetches run in
+      parallel with nothing to cross, could gain no more than that. Fetches that mostly wait
+      (I/O) are left to the probe, which keeps threads for them.
     - After the first ``num_workers`` concurrent fetches, processes are taken when their
       speed-up leads the threads' by ``EARLY_LEAD`` (``speedups``, ``parallelism`` left out:
       over so short a span it is unknown): work that holds the GIL is slowest on threads
@@ -228,8 +229,9 @@ class AutoChoice:
         if not isinstance(result, torch_data_utils.ExceptionWrapper | Raised):
             self.transit.append(transit_s(result))
         cores = available_cpus()
-        if serial and self.transit and _computed(self.serial, self.serial_cpu):
-            share = crossing_share(self.serial, self._transit(), self.num_workers, cores)
+        if (serial and len(self.serial) > 1 and self.transit
+                and _computed(self.serial, self.serial_cpu)):
+            share = crossing_share(min(self.serial), self._transit(), self.num_workers, cores)
             if share <= CROSSING_SHARE:
                 self.backend = "process"
                 _log.info("backend='auto' chose process workers without trying threads: a "

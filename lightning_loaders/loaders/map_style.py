@@ -30,7 +30,7 @@ from torch.utils.data import (
 from lightning_loaders.collectives import gather_by_rank
 from lightning_loaders.engines.faults import Failed, Skipped, SkippedSample
 from lightning_loaders.engines.fetch import BatchFetcher, Numbered, Unbatched
-from lightning_loaders.engines.pool import WorkerLost, WorkerStalled
+from lightning_loaders.engines.pool import InProcess, WorkerLost, WorkerStalled
 from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.loaders.delivery import SizedEpochSampler
 from lightning_loaders.loaders.options import unbatched_conversion
@@ -352,7 +352,7 @@ class MapStyleLoader(ResumableLoader):
         if self._fetches_in_process(fetcher):
             requests = not_delivered(self.schedule.requests(), frozenset(self._window.ahead))
             self._active = (fetcher.gathered(requests) if fetcher.in_memory
-                            else map(fetcher.__getitem__, requests))
+                            else iter(InProcess(fetcher, requests, None, self._auto_choice())))
         else:
             self._active = iter(self._workers())
         return self._active

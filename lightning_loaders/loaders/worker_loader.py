@@ -221,6 +221,19 @@ class WorkerLoader(DeliveryCore):
             return [f"backend={self.backend!r}"]
         return [f"backend='auto' ({self.backend_in_use or 'measuring'})"]
 
+    def _auto_choice(self) -> AutoChoice | None:
+        """``backend="auto"``'s measurement and choice, made when first needed: with the first
+        workers, or without workers under ``num_workers="auto"`` (the main process's fetches
+        are then its fetches alone); it measures for the workers that run."""
+        if self.backend == "auto" and self._auto is None:
+            if self.num_workers > 0:
+                self._auto = AutoChoice(self.num_workers)
+            elif self._autotuner is not None:
+                self._auto = AutoChoice(self._autotuner.config.max_workers or 1)
+        if self._auto is not None and self._auto.backend is None and self.num_workers > 0:
+            self._auto.num_workers = self.num_workers
+        return self._auto
+
     def _worker_pool(self, fetcher: Dataset[Any], sampler: Sampler[Any],
                      prefetch_factor: int | None, *, balanced: bool = False
                      ) -> ProcessPool | ThreadPool | InProcess:
@@ -229,13 +242,7 @@ class WorkerLoader(DeliveryCore):
         ``close()``). ``balanced``: any worker can answer any request, so the workers with the
         fewest in hand get the next ones (a slot's requests go to its own worker, which keeps
         its reader)."""
-        if self.backend == "auto" and self._auto is None:
-            if self.num_workers > 0:
-                self._auto = AutoChoice(self.num_workers)
-            elif self._autotuner is not None:  # the main process times fetches alone for it
-                self._auto = AutoChoice(self._autotuner.config.max_workers or 1)
-        if self._auto is not None and self._auto.backend is None and self.num_workers > 0:
-            self._auto.num_workers = self.num_workers
+        auto = self._auto_choice()
         threads = self.num_workers > 0 and self.backend_in_use != "process"
         if self._pool is None and threads:
             rank, world_size = self.schedule.placement
@@ -245,11 +252,10 @@ class WorkerLoader(DeliveryCore):
                                             world_size, self.schedule.epoch or 0, self.seed),
                 pin_memory=self.pin_memory, timeout=self.timeout, in_order=self.in_order,
                 balanced=balanced, persistent_workers=self.persistent_workers,
-                auto=self._auto if self.backend_in_use is None else None)
+                auto=auto if self.backend_in_use is None else None)
         if self._pool is None and self.num_workers == 0:
             self._pool = InProcess(fetcher, sampler,
-                                   pin_target(self.pin_memory, self.pin_memory_device),
-                                   self._auto)
+                                   pin_target(self.pin_memory, self.pin_memory_device), auto)
         if self._pool is None:
             rank, world_size = self.schedule.placement
             self._pool = ProcessPool(

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from lightning_loaders import ResumableLoader, sample_rng, worker_info
+from lightning_loaders import AutotuneConfig, ResumableLoader, sample_rng, worker_info
 from lightning_loaders.engines import threads
 from lightning_loaders.errors import SampleFetchError, WorkerTimeoutError
 from lightning_loaders.sources.shards import SequenceSource
@@ -441,6 +441,43 @@ def test_auto_keeps_threads_for_work_that_releases_the_gil(
     loader.dataset.pause = 0.05
     assert _epochs(loader) == map_reference["batched"]
     assert loader.backend_in_use == "thread"
+
+
+class Computes(RngDataset):
+    """Sample ``i`` after ``seconds`` of pure-Python CPU time (it waits for nothing), noting
+    which thread of this process fetched it (worker processes note theirs in their copy)."""
+
+    def __init__(self, n: int, seconds: float) -> None:
+        super().__init__(n)
+        self.seconds = seconds
+        self.threads: list[str] = []
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        self.threads.append(threading.current_thread().name)
+        deadline = time.thread_time() + self.seconds
+        while time.thread_time() < deadline:
+            pass
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("tuned", [False, True], ids=["2 workers", "num_workers=auto"])
+def test_auto_takes_processes_for_computing_work_that_crosses_cheaply_trying_no_threads(
+        tuned: bool, map_reference: dict[str, list[list[Any]]]) -> None:
+    """12 ms of computing per batch, a crossing of a fraction of a millisecond: after two
+    fetches alone (on a thread, or in the main process under ``num_workers="auto"``)
+    ``backend="auto"`` takes processes, with no thread ever fetching busy."""
+    dataset = Computes(30, seconds=0.003)
+    workers: Any = AutotuneConfig(max_workers=2, probe=2, window=2, warmup=0, high_wait=0.0,
+                                  saturated=None, min_window_s=0.0) if tuned else 2
+    loader = ResumableLoader(dataset, batch_size=4, shuffle=True, seed=5, num_workers=workers,
+                             backend="auto")
+    assert _epochs(loader) == map_reference["batched"]
+    auto = loader._auto
+    assert auto is not None and auto.backend == "process"
+    assert len(auto.serial) == 2 and auto.concurrent == []
+    in_pool = [name for name in dataset.threads if name.startswith("lightning_loaders worker")]
+    assert len(in_pool) == (0 if tuned else 2 * 4)  # the two batches fetched alone, if any
+    assert ("MainThread" in dataset.threads) is tuned
 
 
 def _unpicklable() -> Any:
