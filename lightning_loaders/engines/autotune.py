@@ -149,7 +149,7 @@ class AutotuneConfig:
 
     max_workers: int | None = None
     start_workers: int = 0
-    probe: int = 4
+    probe: int = 2
     window: int = 16
     min_window_s: float = 0.02
     warmup: int = 4

@@ -22,7 +22,7 @@ from lightning_loaders.engines.autotune import (
     start,
 )
 
-CONFIG = AutotuneConfig(max_workers=4, window=4, warmup=1, high_wait=0.1, min_gain=0.05,
+CONFIG = AutotuneConfig(max_workers=4, probe=4, window=4, warmup=1, high_wait=0.1, min_gain=0.05,
                         max_prefetch=8, max_changes=8, min_window_s=0.0)
 
 
@@ -212,8 +212,8 @@ def test_the_first_window_lasts_probe_batches_and_later_ones_window() -> None:
     assert [t.window.batches for t in tuner.tuning.trials] == [2, 5]
 
 
-def test_probe_defaults_to_four_batches() -> None:
-    assert AutotuneConfig().probe == 4 and AutotuneConfig().window == 16
+def test_probe_defaults_to_two_batches() -> None:
+    assert AutotuneConfig().probe == 2 and AutotuneConfig().window == 16
 
 
 # -- the first step from 0 workers: k = ceil(1.25 * f / w) --------------------------------------
