@@ -209,7 +209,11 @@ class AutoChoice:
 
     @property
     def serial_phase(self) -> bool:
-        return self.backend is None and len(self.serial) < (self.probe or 2 * self.num_workers)
+        return self.backend is None and len(self.serial) < self._probe_size
+
+    @property
+    def _probe_size(self) -> int:
+        return self.probe or 2 * self.num_workers
 
     def sending(self) -> None:
         """A request goes to a thread: the concurrent phase starts with the first one sent
@@ -239,7 +243,7 @@ class AutoChoice:
                           "processes take per batch (fetch times alone %s s), at most "
                           "CROSSING_SHARE=%.0f%%", self._transit(), 100 * share,
                           self.num_workers, _rounded(self.serial), 100 * CROSSING_SHARE)
-        elif len(self.concurrent) >= (self.probe or 2 * self.num_workers):
+        elif len(self.concurrent) >= self._probe_size:
             self._decide(self._parallelism())
         elif len(self.concurrent) == self.num_workers:
             threads, processes = speedups(self.serial, self.concurrent, self.num_workers, cores,
