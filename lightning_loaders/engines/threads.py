@@ -41,7 +41,8 @@ from torch.utils.data import _utils as torch_data_utils
 
 from lightning_loaders.context import set_samples, set_worker
 from lightning_loaders.engines.autotune import available_cpus
-from lightning_loaders.engines.faults import Raised, captured
+from lightning_loaders.engines.faults import Failed, Skipped, captured
+from lightning_loaders.engines.fetch import Numbered
 from lightning_loaders.engines.pool import (
     Arrival,
     PoolIterator,
@@ -50,8 +51,10 @@ from lightning_loaders.engines.pool import (
     pin_target,
 )
 from lightning_loaders.engines.transport import transit_s
+from lightning_loaders.schedule.requests import SlotEnd
 
 __all__ = [
+    "COMPUTED",
     "CROSSING_SHARE",
     "EARLY_LEAD",
     "MIN_SPAN_S",
@@ -77,6 +80,10 @@ EARLY_LEAD = 1.25
 MIN_SPAN_S = 0.05
 """The shortest concurrent phase whose CPU use ``backend="auto"`` reads (the process's CPU time
 advances in ticks of a few milliseconds: a shorter span would say little)."""
+COMPUTED = 0.25
+"""The least share of a fetch's wall time on a CPU (its thread's CPU time) for which it
+computed rather than waited: under load a computing thread also waits for a core, so the bar is
+well below 1, and far above a fetch that waits on I/O or sleeps (a few percent)."""
 CROSSING_SHARE = 0.1
 """The largest share of processes' time per batch spent on its crossing for which
 ``backend="auto"`` takes processes without trying threads (``crossing_share``)."""
@@ -183,13 +190,17 @@ class AutoChoice:
     at most the crossing):
 
     - From the second fetch alone on, processes are taken without trying threads when the
-      fetches alone computed (their thread's CPU time, ``serial_cpu``, is at least
-      ``WAITING`` of their wall time) and a batch's crossing is at most ``CROSSING_SHARE`` of
-      what processes take per batch (``crossing_share``, with the fastest fetch alone: a
-      first fetch pays for cold caches and set-up that later ones do not, and a slow one
-      would understate the crossing's share). Threads, at best as fast as the fetches run in
-      parallel with nothing to cross, could gain no more than that. Fetches that mostly wait
-      (I/O) are left to the probe, which keeps threads for them.
+      fastest fetch alone computed (its thread's CPU time, ``serial_cpu``, is at least
+      ``COMPUTED`` of its wall time) and a batch's crossing is at most ``CROSSING_SHARE`` of
+      what processes take per batch with it (``crossing_share``). The fastest, because a
+      first fetch pays for cold caches and one-off set-up that later ones do not (CPU time
+      too), and a slower fetch would understate the crossing's share. Threads, at best as
+      fast as the fetches run in parallel with nothing to cross, could gain no more than
+      that. Fetches that mostly wait (I/O) are left to the probe, which keeps threads for
+      them.
+
+    Only results that are batches are timed (``_fetched_a_batch``): errors, batches with
+    samples skipped and the ends of slots are not.
     - After the first ``num_workers`` concurrent fetches, processes are taken when their
       speed-up leads the threads' by ``EARLY_LEAD`` (``speedups``, ``parallelism`` left out:
       over so short a span it is unknown): work that holds the GIL is slowest on threads
@@ -225,17 +236,18 @@ class AutoChoice:
         """Note one fetch's wall time, its thread's CPU time, and what its ``result`` would
         take to cross from a process; decide once both phases are measured, or early (class
         docstring)."""
-        if self.backend is not None:
+        if self.backend is not None or not _fetched_a_batch(result):
             return
         (self.serial if serial else self.concurrent).append(wall_s)
         if serial:
             self.serial_cpu.append(cpu_s)
-        if not isinstance(result, torch_data_utils.ExceptionWrapper | Raised):
-            self.transit.append(transit_s(result))
+        self.transit.append(transit_s(result))
         cores = available_cpus()
-        if (serial and len(self.serial) > 1 and self.transit
-                and _computed(self.serial, self.serial_cpu)):
-            share = crossing_share(min(self.serial), self._transit(), self.num_workers, cores)
+        fastest = min(range(len(self.serial)), key=self.serial.__getitem__, default=0)
+        if (serial and len(self.serial) > 1
+                and self.serial_cpu[fastest] >= COMPUTED * self.serial[fastest]):
+            share = crossing_share(self.serial[fastest], self._transit(), self.num_workers,
+                                   cores)
             if share <= CROSSING_SHARE:
                 self.backend = "process"
                 _log.info("backend='auto' chose process workers without trying threads: a "
@@ -271,10 +283,12 @@ class AutoChoice:
                   _rounded(self.serial), _rounded(self.concurrent), used, self._transit())
 
 
-def _computed(wall_s: list[float], cpu_s: list[float]) -> bool:
-    """Whether fetches computed rather than waited: their thread's CPU time is at least
-    ``WAITING`` of their wall time (medians)."""
-    return statistics.median(cpu_s) >= WAITING * statistics.median(wall_s)
+def _fetched_a_batch(result: Any) -> bool:
+    """Whether ``result`` times the fetch of a batch: an error, a batch with samples skipped
+    or the end of a slot cost more or less than one, and would skew the choice."""
+    if isinstance(result, Numbered):
+        result = result.item
+    return not isinstance(result, torch_data_utils.ExceptionWrapper | Failed | Skipped | SlotEnd)
 
 
 def _rounded(values: list[float]) -> list[float]:

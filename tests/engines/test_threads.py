@@ -18,8 +18,11 @@ import pytest
 import torch
 
 from lightning_loaders.engines import threads as threads_module
+from lightning_loaders.engines.faults import Failed, Skipped
+from lightning_loaders.engines.fetch import Numbered
 from lightning_loaders.engines.pool import InProcess, WorkerStalled
 from lightning_loaders.engines.threads import (
+    COMPUTED,
     CROSSING_SHARE,
     EARLY_LEAD,
     MIN_SPAN_S,
@@ -33,6 +36,8 @@ from lightning_loaders.engines.threads import (
     thread_worker,
 )
 from lightning_loaders.engines.transport import TRANSIT_BATCH_S
+from lightning_loaders.errors import SampleFetchError
+from lightning_loaders.schedule.requests import SlotEnd
 
 
 class Recorder:
@@ -398,12 +403,13 @@ def test_crossing_share_is_the_most_any_backend_could_gain_over_processes() -> N
 
 def test_fetches_that_compute_and_cross_cheaply_take_processes_without_trying_threads(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """From the second fetch alone: processes at once when the fetches computed (their
-    thread's CPU time) and a batch's crossing is at most ``CROSSING_SHARE`` of processes' time
-    per batch, judged on the fastest fetch (a first one is often cold); fetches that waited, or
-    whose crossing would cost more, go on to the threads' probe."""
+    """From the second fetch alone: processes at once when the fastest fetch computed (its
+    thread's CPU time at least ``COMPUTED`` of its wall time: a first one is often cold) and a
+    batch's crossing is at most ``CROSSING_SHARE`` of processes' time per batch; fetches that
+    waited, or whose crossing would cost more, go on to the threads' probe."""
     monkeypatch.setattr(threads_module, "available_cpus", lambda: 2)
     assert TRANSIT_BATCH_S / (0.008 / 2 + TRANSIT_BATCH_S) < CROSSING_SHARE
+    assert 0.0001 / 0.008 < COMPUTED < 0.0075 / 0.008
     computed = AutoChoice(2)
     computed.record(True, 0.009, None, 0.0085)
     assert computed.backend is None  # one fetch says little
@@ -417,6 +423,24 @@ def test_fetches_that_compute_and_cross_cheaply_take_processes_without_trying_th
     for wall_s in (0.05, 0.0002, 0.0002):
         cold.record(True, wall_s, None, wall_s)
     assert cold.backend is None and TRANSIT_BATCH_S / (0.0001 + TRANSIT_BATCH_S) > 0.5
+    set_up = AutoChoice(2)  # 30 ms of one-off set-up in the first fetch, then 13 ms of I/O
+    set_up.record(True, 0.046, None, 0.030)
+    set_up.record(True, 0.013, None, 0.0005)
+    assert set_up.backend is None and set_up.serial_phase
+
+
+def test_only_fetched_batches_are_timed() -> None:
+    """An error, a batch whose samples were all skipped, or a slot's end takes far less (or
+    more) than fetching a batch: timing one as a fetch alone would skew the choice."""
+    auto = AutoChoice(2)
+    error = SampleFetchError("boom")
+    for result in (torch.utils.data._utils.worker.ExceptionWrapper(where="in a test"),
+                   Failed(error), Skipped(None, (), empty=True), SlotEnd(0),
+                   Numbered(3, Skipped(None, (), empty=True))):
+        auto.record(True, 0.0001, result, 0.0001)
+    assert auto.serial == auto.serial_cpu == auto.transit == [] and auto.serial_phase
+    auto.record(True, 0.01, Numbered(4, torch.ones(2)), 0.0)
+    assert auto.serial == [0.01] and len(auto.transit) == 1
 
 
 def test_pure_python_work_switches_to_processes_after_two_fetches_alone(

@@ -480,6 +480,33 @@ def test_auto_takes_processes_for_computing_work_that_crosses_cheaply_trying_no_
     assert ("MainThread" in dataset.threads) is tuned
 
 
+class FailsFirst(RngDataset):
+    """Samples below ``bad`` raise; the others sleep 1 ms (I/O-like: threads overlap)."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        super().__init__(n)
+        self.bad = bad
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if index < self.bad:
+            raise ValueError(f"sample {index} is corrupt")
+        time.sleep(0.001)
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("workers", [2, "auto"])
+def test_auto_times_only_batches_it_fetched_not_skipped_ones(workers: Any) -> None:
+    """The first two batches have every sample skipped: they come back at once, and timed
+    as fetches alone they would make threads look slow next to them."""
+    loader = ResumableLoader(FailsFirst(30, bad=6), batch_size=3, num_workers=workers,
+                             backend="auto", on_error="skip")
+    delivered = sorted(int(i) for batch in loader for i in batch["index"])
+    loader.close()
+    assert delivered == list(range(6, 30)) and loader.num_skipped == 6
+    auto = loader._auto
+    assert auto is not None and auto.serial and min(auto.serial) >= 3 * 0.001
+
+
 def _unpicklable() -> Any:
     return lambda: None
 
