@@ -269,11 +269,20 @@ def _stall_hints(trainer: pl.Trainer) -> list[str]:
     hints = []
     workers = getattr(loader, "num_workers", None)
     tunes = isinstance(loader, ResumableLoader)  # takes num_workers="auto"
+    tuning = getattr(loader, "autotune", None) if tunes else None
     cpus = available_cpus()
     if getattr(loader, "gathers_in_memory", False):
         hints.append("the data is in memory and every batch is one gather in the training "
                      "process (worker processes would only add the cost of sending it): keep "
                      "the tensors on the GPU and index them there, or use larger batches")
+    elif tuning is not None and tuning.phase != "done":
+        hints.append(f"num_workers='auto' is still tuning: {workers} workers run now, "
+                     f"{tuning.setting} decided (a change decided near an epoch's end runs "
+                     f"from the next epoch)")
+    elif tuning is not None:
+        hints.append(f"num_workers='auto' settled on {tuning.setting} ({tuning.reason}): "
+                     "cheaper per-sample work (decode, augmentation) in the dataset, or more "
+                     "CPUs")
     elif workers == 0:
         auto = ", or num_workers='auto' to tune it while training" if tunes else ""
         hints.append(f"num_workers=0 fetches every batch inside the training loop: load in "

@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.profilers import SimpleProfiler
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
-from lightning_loaders import ResumableLoader
+from lightning_loaders import AutotuneConfig, ResumableLoader
 from lightning_loaders.engines.autotune import available_cpus
 from lightning_loaders.lightning.monitor import (
     DataStallMonitor,
@@ -176,6 +176,25 @@ def test_num_workers_auto_is_offered_only_to_a_loader_that_takes_it(tmp_path: Pa
         hints = "\n".join(_stall_hints(trainer))
         assert "more worker processes: num_workers=1 now" in hints
         assert ("num_workers='auto'" in hints) is offered
+
+
+def test_an_autotuned_loader_is_told_where_its_tuning_stands(tmp_path: Path) -> None:
+    """A loader already on ``num_workers="auto"`` is not told to try it: the hint says what
+    the tuner decided, while it tunes and once it settled."""
+    tuning = AutotuneConfig(max_workers=1, probe=1, window=1, warmup=0, min_window_s=0.0,
+                            high_wait=0.0, max_prefetch=2, saturated=None)
+    loader = ResumableLoader(SlowSamples(32, 0.002), batch_size=BATCH, num_workers=tuning)
+    trainer, _ = fit(tmp_path, loader, Model(), max_steps=1)
+    assert loader.autotune is not None and loader.autotune.phase != "done"
+    hints = "\n".join(_stall_hints(trainer))
+    assert "num_workers='auto' is still tuning: 0 workers run now" in hints
+    assert "or num_workers='auto'" not in hints
+    for _ in loader:  # the tuning goes on, and ends
+        pass
+    assert loader.autotune.phase == "done"
+    hints = "\n".join(_stall_hints(trainer))
+    assert f"num_workers='auto' settled on {loader.autotune.setting}" in hints
+    loader.close()
 
 
 def test_values_are_logged_at_the_trainers_cadence(tmp_path: Path) -> None:
