@@ -213,6 +213,7 @@ class AutoChoice:
     serial: list[float] = field(default_factory=list)
     serial_cpu: list[float] = field(default_factory=list)
     concurrent: list[float] = field(default_factory=list)
+    concurrent_cpu: list[float] = field(default_factory=list)
     transit: list[float] = field(default_factory=list)
     parallelism: float | None = None
     min_span_s: float = MIN_SPAN_S
@@ -239,13 +240,12 @@ class AutoChoice:
         if self.backend is not None or not _fetched_a_batch(result):
             return
         (self.serial if serial else self.concurrent).append(wall_s)
-        if serial:
-            self.serial_cpu.append(cpu_s)
+        (self.serial_cpu if serial else self.concurrent_cpu).append(cpu_s)
         self.transit.append(transit_s(result))
         cores = available_cpus()
         fastest = min(range(len(self.serial)), key=self.serial.__getitem__, default=0)
         if (serial and len(self.serial) > 1
-                and self.serial_cpu[fastest] >= COMPUTED * self.serial[fastest]):
+                and not _waited([self.serial[fastest]], [self.serial_cpu[fastest]])):
             share = crossing_share(self.serial[fastest], self._transit(), self.num_workers,
                                    cores)
             if share <= CROSSING_SHARE:
@@ -260,14 +260,21 @@ class AutoChoice:
         elif len(self.concurrent) == self.num_workers:
             threads, processes = speedups(self.serial, self.concurrent, self.num_workers, cores,
                                           transit_s=self._transit())
-            if processes >= EARLY_LEAD * threads:
+            if processes >= EARLY_LEAD * threads and not _waited(self.concurrent,
+                                                                  self.concurrent_cpu):
                 self._decide(None, early=True)
 
     def _parallelism(self) -> float | None:
+        """The process's CPU seconds per wall second over the concurrent phase. Over a phase
+        shorter than ``min_span_s`` that says little; then, when the fetches mostly waited,
+        their threads' own CPU time (precise) stands in. A computing phase that short stays
+        unknown: next to tiny fetches, the threads' CPU understates what they deliver."""
         if self._phase_start is not None:
             wall = time.perf_counter() - self._phase_start[0]
             if wall >= self.min_span_s:
                 self.parallelism = (time.process_time() - self._phase_start[1]) / wall
+            elif wall > 0 and _waited(self.concurrent, self.concurrent_cpu):
+                self.parallelism = sum(self.concurrent_cpu) / wall
         return self.parallelism
 
     def _transit(self) -> float:
@@ -281,6 +288,12 @@ class AutoChoice:
                   "%s s, CPU seconds per second meanwhile: %s, a batch's crossing from a "
                   "process: %.4f s)", self.backend, " early" * early,
                   _rounded(self.serial), _rounded(self.concurrent), used, self._transit())
+
+
+def _waited(wall_s: list[float], cpu_s: list[float]) -> bool:
+    """Whether fetches mostly waited (I/O, sleeps): their thread's CPU time is under
+    ``COMPUTED`` of their wall time (medians)."""
+    return statistics.median(cpu_s) < COMPUTED * statistics.median(wall_s)
 
 
 def _fetched_a_batch(result: Any) -> bool:

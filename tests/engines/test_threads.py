@@ -278,17 +278,35 @@ def test_threads_that_mostly_waited_are_kept_and_computing_ones_count_their_core
 def test_auto_reads_the_processs_cpu_use_over_a_long_enough_concurrent_phase(min_span_s) -> None:
     """Over the concurrent phase (4 fetches on 2 threads: two rounds of ``MIN_SPAN_S`` each)
     the process's CPU seconds per second are read when it lasted ``min_span_s`` or more;
-    threads that sleep use next to no CPU."""
+    over a shorter one, the fetch threads' own CPU time stands in, as they mostly waited.
+    Threads that sleep use next to no CPU either way."""
     auto = AutoChoice(2, min_span_s=min_span_s)
     pool = ThreadPool(Recorder(MIN_SPAN_S), range(4), num_workers=2, auto=auto)
     list(pool)
     list(pool)
     assert auto.backend == "thread"
-    if min_span_s == MIN_SPAN_S:
-        assert auto.parallelism is not None and 0 <= auto.parallelism < 1
-    else:
-        assert auto.parallelism is None
+    assert auto.parallelism is not None and 0 <= auto.parallelism < WAITING
+    assert len(auto.concurrent_cpu) == 4 and max(auto.concurrent_cpu) < MIN_SPAN_S / 2
     pool.close()
+
+
+@pytest.mark.parametrize(("cpu_share", "chosen"), [(0.02, "thread"), (0.6, None)])
+def test_a_short_phase_of_fetches_that_waited_keeps_threads(
+        monkeypatch: pytest.MonkeyPatch, cpu_share: float, chosen: str | None) -> None:
+    """Four 9 ms fetches on two threads last under ``MIN_SPAN_S``: the process's CPU time
+    says little there. Fetches that mostly waited (their threads' CPU time) keep threads, as
+    processes would wait the same; computing ones leave it unknown, as before."""
+    monkeypatch.setattr(threads_module, "available_cpus", lambda: 2)
+    monkeypatch.setattr(threads_module, "CROSSING_SHARE", 0.0)
+    auto = AutoChoice(2)
+    while auto.serial_phase:
+        auto.record(True, 0.009, None, cpu_share * 0.009)
+    auto.sending()
+    time.sleep(0.02)
+    for _ in range(4):
+        auto.record(False, 0.0095, None, cpu_share * 0.0095)
+    assert auto.backend == (chosen or "process")
+    assert (auto.parallelism is None) is (chosen is None)
 
 
 def test_auto_measures_fetches_alone_then_all_threads_busy() -> None:
@@ -361,16 +379,15 @@ def test_a_fetch_that_holds_the_gil_is_timed_from_its_request(
     pool.close()
 
 
-def _probe(auto: AutoChoice, serial_s: float, concurrent_s: list[float],
-           cpu_share: float = 0.0) -> list[str | None]:
+def _probe(auto: AutoChoice, serial_s: float, concurrent_s: list[float]) -> list[str | None]:
     """What ``auto`` has chosen after each of ``concurrent_s``, fed after its serial phase's
-    fetches alone of ``serial_s`` each, which used ``cpu_share`` of their time on a CPU (by
-    default none: they waited, and the crossing shortcut stays out)."""
+    fetches alone of ``serial_s`` each. The fetches alone are fed as waiting (no CPU time),
+    which keeps the crossing shortcut out; the busy ones as computing."""
     while auto.serial_phase:
-        auto.record(True, serial_s, None, cpu_share * serial_s)
+        auto.record(True, serial_s, None, 0.0)
     chosen = []
     for wall_s in concurrent_s:
-        auto.record(False, wall_s, None, 0.0)
+        auto.record(False, wall_s, None, wall_s)
         chosen.append(auto.backend)
     return chosen
 
@@ -390,6 +407,13 @@ def test_auto_takes_processes_after_one_busy_round_when_they_lead_clearly(
     # threads as fast at once as alone (they wait, or release the GIL): never chosen early
     chosen = _probe(AutoChoice(2, min_span_s=math.inf), 1.0, [1.0, 1.0, 1.0, 1.0])
     assert chosen == [None, None, None, "thread"]
+    # the same slow round, but the fetches waited (no CPU time): nothing is chosen early
+    waited = AutoChoice(2)
+    while waited.serial_phase:
+        waited.record(True, 1.0, None, 0.0)
+    for wall_s in (2.0, 2.0):
+        waited.record(False, wall_s, None, 0.0)
+    assert waited.backend is None
 
 
 def test_crossing_share_is_the_most_any_backend_could_gain_over_processes() -> None:
