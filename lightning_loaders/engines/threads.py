@@ -198,13 +198,13 @@ class AutoChoice:
       fast as the fetches run in parallel with nothing to cross, could gain no more than
       that. Fetches that mostly wait (I/O) are left to the probe, which keeps threads for
       them.
+    - After the first ``num_workers`` concurrent fetches, processes are taken when their
+      speed-up leads the threads' by ``EARLY_LEAD`` (``speedups``, ``parallelism`` left out:
+      over so short a span it is unknown) and those fetches did not mostly wait: work that
+      holds the GIL is slowest on threads exactly while they are measured.
 
     Only results that are batches are timed (``_fetched_a_batch``): errors, batches with
     samples skipped and the ends of slots are not.
-    - After the first ``num_workers`` concurrent fetches, processes are taken when their
-      speed-up leads the threads' by ``EARLY_LEAD`` (``speedups``, ``parallelism`` left out:
-      over so short a span it is unknown): work that holds the GIL is slowest on threads
-      exactly while they are measured.
     """
 
     num_workers: int
@@ -243,12 +243,9 @@ class AutoChoice:
         (self.serial_cpu if serial else self.concurrent_cpu).append(cpu_s)
         self.transit.append(transit_s(result))
         cores = available_cpus()
-        fastest = min(range(len(self.serial)), key=self.serial.__getitem__, default=0)
-        if (serial and len(self.serial) > 1
-                and not _waited([self.serial[fastest]], [self.serial_cpu[fastest]])):
-            share = crossing_share(self.serial[fastest], self._transit(), self.num_workers,
-                                   cores)
-            if share <= CROSSING_SHARE:
+        if serial:
+            share = self._computed_crossing_share(cores)
+            if share is not None and share <= CROSSING_SHARE:
                 self.backend = "process"
                 _log.info("backend='auto' chose process workers without trying threads: a "
                           "batch's crossing from a process (%.4f s) is %.1f%% of what %d "
@@ -263,6 +260,16 @@ class AutoChoice:
             if processes >= EARLY_LEAD * threads and not _waited(self.concurrent,
                                                                   self.concurrent_cpu):
                 self._decide(None, early=True)
+
+    def _computed_crossing_share(self, cores: int) -> float | None:
+        """``crossing_share`` with the fastest fetch alone, from the second one on, when that
+        fetch computed (``None`` otherwise: too early, or it mostly waited)."""
+        if len(self.serial) < 2:
+            return None
+        fastest = min(range(len(self.serial)), key=self.serial.__getitem__)
+        if _waited([self.serial[fastest]], [self.serial_cpu[fastest]]):
+            return None
+        return crossing_share(self.serial[fastest], self._transit(), self.num_workers, cores)
 
     def _parallelism(self) -> float | None:
         """The process's CPU seconds per wall second over the concurrent phase. Over a phase
