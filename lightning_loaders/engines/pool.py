@@ -7,10 +7,8 @@ as they finish. ``PoolIterator`` is that pass: torch's round-robin (worker ``w``
 ``w``, ``w + N``, ... in order; out of order, the next worker in the round with fewer than
 ``prefetch_factor`` in hand; in order over a ``balanced`` pool, whose requests any worker can
 answer, the next worker in the round with the fewest in hand), at most
-``num_workers * prefetch_factor`` requests in flight,
-requests held back while the requests iterator's ``ready()`` says so (out-of-order delivery
-never runs further ahead of the first undelivered batch than the in-flight window), and a
-worker's exception re-raised in the caller (torch's ``ExceptionWrapper``). Subclasses move
+``num_workers * prefetch_factor`` requests in flight, and a worker's exception re-raised in
+the caller (torch's ``ExceptionWrapper``). Subclasses move
 the requests and results (``_put``, ``_take``).
 
 ``WorkerLost`` and ``WorkerStalled`` are how a pool reports dead and late workers to the
@@ -22,7 +20,7 @@ from __future__ import annotations
 import itertools
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -101,7 +99,6 @@ class PoolIterator(Iterator[Any]):
         self._pool = pool
         self._generation = generation
         self._requests = iter(pool.sampler)
-        self._ready: Callable[[], bool] | None = getattr(self._requests, "ready", None)
         num_workers, self._prefetch = pool.num_workers, pool.prefetch_factor
         self._num_workers, self._in_order = num_workers, pool.in_order
         self._balanced = pool.balanced
@@ -178,12 +175,9 @@ class PoolIterator(Iterator[Any]):
     # -- sending ----------------------------------------------------------------------------
 
     def _send(self) -> None:
-        """Send requests while fewer than ``_window()`` are sent and not delivered and the
-        requests are ready."""
+        """Send requests while fewer than ``_window()`` are sent and not delivered."""
         while not self._exhausted:
             if len(self._pending) + len(self._done) >= self._window():
-                return
-            if self._ready is not None and not self._ready():
                 return
             try:
                 request = next(self._requests)

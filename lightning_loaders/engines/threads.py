@@ -1,8 +1,8 @@
 """Worker threads: what the worker processes do for the loader, with threads.
 
 ``ThreadPool(fetcher, requests, num_workers=N, ...)`` is ``workers.ProcessPool`` with threads:
-it iterates the requests as ``pool.PoolIterator`` says (order, round-robin, in-flight window,
-``ready()``). Thread ``w`` runs ``worker_init_fn(w)`` once, then serves its requests on its own
+it iterates the requests as ``pool.PoolIterator`` says (order, round-robin, in-flight
+window). Thread ``w`` runs ``worker_init_fn(w)`` once, then serves its requests on its own
 ``thread_copy()`` of the fetcher when it has one (per-worker state such as a slot's open
 shards; the dataset itself is shared, as threads share memory). Threads persist across
 iterators (epochs) unless ``persistent_workers=False``; ``close()`` stops and joins them, and

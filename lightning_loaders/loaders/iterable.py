@@ -104,7 +104,6 @@ from lightning_loaders.loaders.options import LoaderOptions, unbatched_conversio
 from lightning_loaders.loaders.out_of_order import (
     WINDOW,
     DeliveredWindow,
-    WindowedRequests,
     not_delivered,
     rank_entry,
 )
@@ -398,29 +397,25 @@ class ResumableIterableLoader(ResumableLoader):
         prefetch = self.prefetch_factor
         if self.num_workers > 0 and self.schedule.synced:  # ranks agree on batches in hand
             prefetch = max(prefetch or 2, -(-self.sync_interval // self.num_workers))
-        limit = 0 if self.in_order else self.num_workers * (self.prefetch_factor or 2)
-        sampler = _RequestSampler(self.schedule, self.num_workers > 0, self._window, limit)
+        sampler = _RequestSampler(self.schedule, self.num_workers > 0, self._window)
         return iter(self._worker_pool(self._fetcher, sampler, prefetch))
 
 
 class _RequestSampler(Sampler[SlotRequest | PartRequest]):
     """The internal DataLoader's sampler: the current generation's requests at every iter()
-    (with canonical partitions, less the batches delivered out of order, and held back while
-    ``limit`` batches past the frontier are out)."""
+    (with canonical partitions, less the batches delivered out of order)."""
 
-    def __init__(self, schedule: IterableSchedule, with_skips: bool, window: DeliveredWindow,
-                 limit: int) -> None:
+    def __init__(self, schedule: IterableSchedule, with_skips: bool, window: DeliveredWindow
+                 ) -> None:
         self._schedule = schedule
         self._with_skips = with_skips
         self._window = window
-        self._limit = limit
 
     def __iter__(self) -> Iterator[SlotRequest | PartRequest]:
         requests = self._schedule.requests(self._with_skips)
         if not self._schedule.canonical:
             return requests
-        requests = not_delivered(requests, frozenset(self._window.ahead))
-        return WindowedRequests(requests, self._schedule, self._limit) if self._limit else requests
+        return not_delivered(requests, frozenset(self._window.ahead))
 
 
 def _ordered_only(config: PlanConfig) -> str:

@@ -37,7 +37,6 @@ from lightning_loaders.loaders.options import unbatched_conversion
 from lightning_loaders.loaders.out_of_order import (
     WINDOW,
     DeliveredWindow,
-    WindowedRequests,
     not_delivered,
     rank_entry,
 )
@@ -411,8 +410,7 @@ class MapStyleLoader(ResumableLoader):
         """The worker pool (processes or threads) over our batch requests (created once,
         workers persistent)."""
         fetcher = self._fetcher() if self.in_order else self._fetcher().numbering()
-        limit = 0 if self.in_order else self.num_workers * (self.prefetch_factor or 2)
-        return self._worker_pool(fetcher, _RequestSampler(self.schedule, self._window, limit),
+        return self._worker_pool(fetcher, _RequestSampler(self.schedule, self._window),
                                  self.prefetch_factor, balanced=True)
 
     # -- configuration ----------------------------------------------------------------------
@@ -441,14 +439,12 @@ class _RequestSampler(Sampler[BatchRequest]):
     """The internal DataLoader's sampler: re-reads the cursor at every ``iter()`` (and skips
     the batches already delivered out of order)."""
 
-    def __init__(self, schedule: MapSchedule, window: DeliveredWindow, limit: int) -> None:
+    def __init__(self, schedule: MapSchedule, window: DeliveredWindow) -> None:
         self._schedule = schedule
         self._window = window
-        self._limit = limit
 
     def __iter__(self) -> Iterator[BatchRequest]:
-        requests = not_delivered(self._schedule.requests(), frozenset(self._window.ahead))
-        return WindowedRequests(requests, self._schedule, self._limit) if self._limit else requests
+        return not_delivered(self._schedule.requests(), frozenset(self._window.ahead))
 
     def __len__(self) -> int:
         return self._schedule.remaining - len(self._window.ahead)

@@ -2,14 +2,17 @@
 
 Workers answer planned batches as they finish them; each answer carries its batch number. The
 cursor's ``batches`` stays the *frontier* (every batch before it delivered), and the batches
-delivered past it are the *ahead* set. It only holds batches of the in-flight window (at most
-``num_workers * prefetch_factor`` requests are outstanding), so the state stays O(1) in the
-dataset's size. A resume requests every planned batch from the frontier that is not in the
-ahead set: nothing is repeated and nothing is lost.
+delivered past it are the *ahead* set. As in ``DataLoader(in_order=False)``, a fast worker runs
+on while a slow one holds the frontier, however far: requests go out in plan order and at most
+``num_workers * prefetch_factor`` are in flight, so every batch between the frontier and the
+last one delivered was delivered except those still in flight. The state saves the ahead set
+as runs of consecutive batches, at most one more than the batches in flight, whatever the
+dataset's size or how far ahead the fast worker ran. A resume requests every planned batch from
+the frontier that is not in the ahead set: nothing is repeated and nothing is lost.
 
-The same window serves map-style batches (``BatchRequest``) and iterable batches planned over
-canonical partitions (``PartRequest``): both are numbered batches of a planned sequence, and
-each request says by itself what to read, so any worker can answer any of them.
+The same bookkeeping serves map-style batches (``BatchRequest``) and iterable batches planned
+over canonical partitions (``PartRequest``): both are numbered batches of a planned sequence,
+and each request says by itself what to read, so any worker can answer any of them.
 
 Under DDP every rank has its own frontier and ahead set; ``state_dict()`` gathers them from all
 ranks (every rank calls it together, as Lightning does when it checkpoints), so the one state a
@@ -24,10 +27,10 @@ from typing import Any, Protocol, TypeVar
 
 from lightning_loaders.errors import StateMismatchError
 
-__all__ = ["WINDOW", "DeliveredWindow", "Frontier", "NumberedRequest", "WindowedRequests",
-           "not_delivered", "rank_entry"]
+__all__ = ["WINDOW", "DeliveredWindow", "Frontier", "NumberedRequest", "not_delivered",
+           "rank_entry"]
 
-WINDOW = "window"  # the part: per rank, [frontier, [batches delivered past it]]
+WINDOW = "window"  # the part: per rank, [frontier, [[start, stop) runs delivered past it]]
 _RECENT = 64  # delivered batch numbers remembered (a prefetching trainer holds a few)
 
 
@@ -96,16 +99,17 @@ class DeliveredWindow:
             schedule.delivered()
 
     def saved(self, frontier: int, held: int) -> list[Any]:
-        """``[frontier, ahead]`` as a state, the last ``held`` delivered batches (which a
+        """``[frontier, runs]`` as a state, the last ``held`` delivered batches (which a
         prefetching trainer holds unused) counted as not delivered."""
         recent = list(self._recent)
         undone = set(recent[len(recent) - held:]) if held else set()
         start = min([frontier, *undone])
         delivered = set(range(start, frontier)) | self.ahead
-        return [start, sorted(delivered - undone)]
+        return [start, _runs(delivered - undone)]
 
     def restore(self, epoch: int, entry: list[Any]) -> None:
-        """Keep a restored ``[frontier, ahead]`` until the epoch it belongs to reopens."""
+        """Keep a restored ``[frontier, ahead]`` (``rank_entry``'s) until the epoch it
+        belongs to reopens."""
         self._restored = (epoch, int(entry[0]), frozenset(int(b) for b in entry[1]))
 
     def pending_ahead(self) -> int:
@@ -114,10 +118,10 @@ class DeliveredWindow:
         return 0 if self._restored is None else len(self._restored[2])
 
     def pending(self) -> list[Any] | None:
-        """The restored ``[frontier, ahead]`` not yet applied, if any."""
+        """The restored ``[frontier, runs]`` not yet applied, if any."""
         if self._restored is None:
             return None
-        return [self._restored[1], sorted(self._restored[2])]
+        return [self._restored[1], _runs(self._restored[2])]
 
     def resumed(self, epoch: int | None, frontier: int) -> None:
         """At an epoch start: the restored ahead set applies if the restored cursor
@@ -136,36 +140,9 @@ def not_delivered(requests: Iterable[_R], ahead: frozenset[int]) -> Iterator[_R]
             yield request
 
 
-class WindowedRequests(Iterator[_R]):
-    """Requests that are ``ready()`` (the workers' iterator asks) only while the next one is
-    less than ``limit`` batches past the first undelivered batch (``schedule.batches``): with
-    out-of-order delivery, a fast worker cannot run away from a slow one, so the batches
-    delivered past the frontier stay fewer than ``limit``."""
-
-    def __init__(self, requests: Iterator[_R], schedule: Frontier, limit: int) -> None:
-        self._requests = requests
-        self._schedule = schedule
-        self._limit = limit
-        self._next: _R | None = None
-
-    def __iter__(self) -> WindowedRequests[_R]:
-        return self
-
-    def __next__(self) -> _R:
-        request, self._next = self._next, None
-        return next(self._requests) if request is None else request
-
-    def ready(self) -> bool:
-        if self._next is None:
-            self._next = next(self._requests, None)
-            if self._next is None:
-                return True
-        return self._next.batch < self._schedule.batches + self._limit
-
-
 def rank_entry(part: Any, rank: int, world_size: int, batches: int, end: int) -> list[Any]:
-    """This rank's ``[frontier, ahead]`` from a saved window part, checked; a
-    ``StateMismatchError`` names what is wrong."""
+    """This rank's ``[frontier, ahead]`` from a saved window part, checked, its runs read
+    into the batch numbers they hold; a ``StateMismatchError`` names what is wrong."""
     if not isinstance(part, Mapping) or not isinstance(part.get("ranks"), list):
         raise StateMismatchError(f"corrupted loader state: parts[{WINDOW!r}]={part!r} is not "
                                  "{'ranks': [...]}")
@@ -189,11 +166,41 @@ def rank_entry(part: Any, rank: int, world_size: int, batches: int, end: int) ->
             f"the out-of-order state holds no entry for rank {rank}: it was saved without a "
             "process group, on another rank; save with every rank calling state_dict() "
             "together (as Lightning does), or load each rank's own state")
-    ok = (isinstance(entry, list | tuple) and len(entry) == 2 and isinstance(entry[0], int)
-          and isinstance(entry[1], list | tuple)
-          and all(isinstance(b, int) and entry[0] < b < end for b in entry[1]))
-    if not ok or not 0 <= entry[0] <= end:
+    ahead = None
+    if (isinstance(entry, list | tuple) and len(entry) == 2 and isinstance(entry[0], int)
+            and 0 <= entry[0] <= end and isinstance(entry[1], list | tuple)):
+        ahead = _batches_of(entry[1], entry[0], end)
+    if ahead is None:
         raise StateMismatchError(f"corrupted loader state: parts[{WINDOW!r}] entry {entry!r} "
-                                 f"of rank {rank} is not [frontier, [batches past it, before "
-                                 f"{end}]]")
-    return [entry[0], list(entry[1])]
+                                 f"of rank {rank} is not [frontier, [[start, stop) runs of "
+                                 f"batches past it, before {end}]]")
+    return [entry[0], ahead]
+
+
+def _runs(batches: Iterable[int]) -> list[list[int]]:
+    """Batch numbers as sorted ``[start, stop)`` runs of consecutive ones."""
+    runs: list[list[int]] = []
+    for batch in sorted(batches):
+        if runs and runs[-1][1] == batch:
+            runs[-1][1] += 1
+        else:
+            runs.append([batch, batch + 1])
+    return runs
+
+
+def _batches_of(runs: Iterable[Any], frontier: int, end: int) -> list[int] | None:
+    """The batch numbers of saved runs, each past ``frontier`` and before ``end``, in
+    order and apart (``None`` if they are not); a plain batch number (the format before
+    runs) is a run of one."""
+    batches: list[int] = []
+    for run in runs:
+        if isinstance(run, int):
+            run = [run, run + 1]
+        if not (isinstance(run, list | tuple) and len(run) == 2
+                and all(isinstance(b, int) for b in run)):
+            return None
+        start, stop = run
+        if not (max(frontier, batches[-1] if batches else frontier) < start < stop <= end):
+            return None
+        batches.extend(range(start, stop))
+    return batches

@@ -97,10 +97,10 @@ class ResumableLoader(WorkerLoader):
     indices gives ``dataset[list]`` (bulk loading); an iterable dataset's items come as they
     are (ready-made batches). ``batch_sampler`` may be any iterable of
     index lists. ``in_order=False`` delivers batches as workers finish them (one slow sample no
-    longer stalls the others) and stays exactly resumable: the state records which batches of
-    the in-flight window were already delivered, and a resume delivers exactly the others
-    (for an iterable dataset, when it is planned over canonical partitions; others warn and
-    stay in order).
+    longer stalls the others) and stays exactly resumable: the state records which batches
+    past the first undelivered one were already delivered, and a resume delivers exactly the
+    others (for an iterable dataset, when it is planned over canonical partitions; others warn
+    and stay in order).
 
     ``timeout`` raises ``WorkerTimeoutError`` naming the worker whose batch is late. Workers
     stop on ``close()`` (also used as ``with loader:``), when the loader is collected, and when

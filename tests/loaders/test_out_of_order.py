@@ -3,13 +3,14 @@ delivers exactly the planned batches not delivered yet (nothing repeated, nothin
 
 Reordering is forced, not timed: a *gated* sample blocks its worker until the main process has
 received other batches past it (it opens the gate), so the test never depends on wall-clock
-speed. Two workers with ``prefetch_factor=2`` dispatch at most 4 batches past the first
-undelivered one, so the gate opens after 2 batches (those that can pass the blocked one)."""
+speed. Two workers with ``prefetch_factor=2`` hold at most 4 batches in flight, so the gate
+opens after 2 batches (the blocked worker holds the gated batch and at most one behind it)."""
 
 import os
 import threading
 import time
 from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 
 import lightning as L
@@ -42,8 +43,8 @@ class Gated(torch.utils.data.Dataset[int]):
 
 
 def _make(gate: Path, n: int = 24, rank: int | None = None, world: int | None = None,
-          **kwargs) -> ResumableLoader:
-    data = Gated(n, str(gate), frozenset({0, 10}))
+          gated: frozenset[int] = frozenset({0, 10}), **kwargs) -> ResumableLoader:
+    data = Gated(n, str(gate), gated)
     options = {"in_order": False, **kwargs}
     return ResumableLoader(data, batch_size=BATCH, num_workers=2, seed=5, rank=rank,
                            world_size=world, **options)
@@ -59,6 +60,22 @@ def _run(loader: ResumableLoader, gate: Path, states: list | None = None,
         if states is not None:
             states.append(checkpoint_roundtrip(loader.state_dict()))
     return got
+
+
+def _ahead(state: dict) -> list[int]:
+    """The batches rank 0 had delivered past its frontier, read from the state's runs."""
+    return [b for start, stop in state["parts"]["window"]["ranks"][0][1]
+            for b in range(start, stop)]
+
+
+def _check_window(state: dict, in_flight: int) -> None:
+    """A state's window: its frontier is the cursor, and the batches past it are sorted runs
+    apart, no more than the batches in flight (the frontier and each gap between two runs are
+    batches in flight)."""
+    frontier, runs = state["parts"]["window"]["ranks"][0]
+    assert state["batches"] == frontier and len(runs) <= in_flight, state
+    bounds = [frontier, *(b for run in runs for b in run)]
+    assert all(a < b for a, b in pairwise(bounds)), state
 
 
 def _plan(n: int, rank: int = 0, world: int = 1) -> list[tuple[int, ...]]:
@@ -80,11 +97,8 @@ def test_resume_from_every_step_delivers_exactly_the_rest(tmp_path: Path) -> Non
     gate = tmp_path / "gate"
     states: list = []
     first = _run(_make(gate), gate, states)
-    window = 2 * 2  # num_workers * prefetch_factor
     for step, state in enumerate(states):
-        frontier, ahead = state["parts"]["window"]["ranks"][0]
-        assert state["batches"] == frontier and len(ahead) < window, state
-        assert all(b > frontier for b in ahead)
+        _check_window(state, in_flight=2 * 2)  # num_workers * prefetch_factor
         resumed = _make(gate)
         resumed.load_state_dict(state)
         counted = resumed.resume_batch()  # what ExactResume tells Lightning
@@ -113,9 +127,8 @@ def test_an_out_of_order_state_resumes_in_order_and_saves_its_window(tmp_path: P
     states: list = []
     first = _run(_make(gate), gate, states)
     step, state = max(enumerate(states), key=lambda pair: max(
-        pair[1]["parts"]["window"]["ranks"][0][1] or [0]) - pair[1]["batches"])
-    frontier, ahead = state["parts"]["window"]["ranks"][0]
-    assert max(ahead) > frontier + 2  # the next batch leaves one ahead
+        _ahead(pair[1]) or [0]) - pair[1]["batches"])
+    assert max(_ahead(state)) > state["batches"] + 2  # the next batch leaves one ahead
     resumed = _make(gate, in_order=True)
     resumed.load_state_dict(state)
     batches = iter(resumed)
@@ -157,9 +170,43 @@ def test_a_window_with_batches_ahead_refuses_another_world_size(tmp_path: Path) 
     ahead = next(s for s in states if s["parts"]["window"]["ranks"][0][1])
     with pytest.raises(StateMismatchError, match="cannot resume on 2"):
         _make(gate, rank=0, world=2).load_state_dict(ahead)
-    corrupted = {**ahead, "parts": {**ahead["parts"], "window": {"ranks": [[0, [99]]]}}}
-    with pytest.raises(StateMismatchError, match="corrupted"):
-        _make(gate).load_state_dict(corrupted)
+    for runs in ([99], [[99, 100]], [[3, 2]], [[1, 4], [3, 5]], [[0, 2]], [[1, "2"]]):
+        corrupted = {**ahead, "parts": {**ahead["parts"], "window": {"ranks": [[0, runs]]}}}
+        with pytest.raises(StateMismatchError, match=r"corrupted.*\[start, stop\) runs"):
+            _make(gate).load_state_dict(corrupted)
+
+
+def test_a_fast_worker_runs_on_past_the_batches_in_flight(tmp_path: Path) -> None:
+    """As in ``DataLoader(in_order=False)``, a batch that holds the frontier does not stop the
+    other worker: it delivered 12 batches past it (3 times the 4 in flight) before the gate
+    opened, where a window of the batches in flight stopped it after 1. The state stays a few
+    runs however far it ran, and resumes exactly from every step."""
+    gate, only_first = tmp_path / "gate", frozenset({0})
+    states: list = []
+    first = _run(_make(gate, n=40, gated=only_first), gate, states, open_after=12)
+    plan = _plan(40)
+    assert plan[0] not in first[:12] and Counter(first) == Counter(plan)
+    runs = states[11]["parts"]["window"]["ranks"][0][1]
+    assert len(_ahead(states[11])) == 12 and len(runs) <= 2, runs
+    for step, state in enumerate(states[:-1]):  # the last one resumes at the next epoch
+        _check_window(state, in_flight=2 * 2)
+        resumed = _make(gate, n=40, gated=only_first)
+        resumed.load_state_dict(state)
+        assert Counter(first[:step + 1]) + Counter(_run(resumed, gate)) == Counter(plan), step
+
+
+def test_a_state_that_lists_its_batches_ahead_one_by_one_still_resumes(tmp_path: Path) -> None:
+    """States saved before the runs listed each batch past the frontier as a number."""
+    gate = tmp_path / "gate"
+    states: list = []
+    first = _run(_make(gate), gate, states)
+    step, state = next((i, s) for i, s in enumerate(states) if len(_ahead(s)) > 1)
+    listed = {**state, "parts": {**state["parts"], "window": {
+        "ranks": [[state["batches"], _ahead(state)]]}}}
+    resumed = _make(gate)
+    resumed.load_state_dict(listed)
+    assert resumed.state_dict()["parts"]["window"] == state["parts"]["window"]
+    assert Counter(first[:step + 1]) + Counter(_run(resumed, gate)) == Counter(_plan(24))
 
 
 class _Fixed(torch.utils.data.Sampler[int]):
@@ -391,11 +438,8 @@ def test_iterable_resume_from_every_step_delivers_exactly_the_rest(tmp_path: Pat
     gate = tmp_path / "gate"
     states: list = []
     full = _epochs(_make_iterable(gate, backend=backend), gate, range(2), states)
-    window = 2 * 2  # num_workers * prefetch_factor
     for _, _, state in states:
-        frontier, ahead = state["parts"]["window"]["ranks"][0]
-        assert state["batches"] == frontier and len(ahead) < window, state
-        assert all(b > frontier for b in ahead)
+        _check_window(state, in_flight=2 * 2)  # num_workers * prefetch_factor
     assert any(state["parts"]["window"]["ranks"][0][1] for _, _, state in states)
     _check_resumes(lambda: _make_iterable(gate, backend=backend), gate, states, full,
                    [_iterable_plan(epoch) for epoch in range(2)])
