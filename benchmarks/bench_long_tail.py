@@ -62,7 +62,7 @@ def _loader(kind: str, data: LongTail) -> Any:
     if kind == TORCH:
         return DataLoader(data, in_order=False, generator=torch.Generator().manual_seed(0),
                           **common)
-    return ResumableLoader(data, in_order=kind == OUT_OF_ORDER, seed=0, **common)
+    return ResumableLoader(data, in_order=kind == IN_ORDER, seed=0, **common)
 
 
 def _epoch_rate(loader: Any, samples: int) -> float:

@@ -43,6 +43,14 @@ def test_every_benchmark_runs_alone(name: str) -> None:
     assert done.returncode == 0 and "--full" in done.stdout, (done.stdout + done.stderr)[-2000:]
 
 
+def test_long_tail_loaders_are_the_ones_their_columns_name() -> None:
+    from benchmarks.bench_long_tail import IN_ORDER, OUT_OF_ORDER, TORCH, LongTail, _loader
+
+    data = LongTail(8, slow_s=0.0)
+    assert {kind: _loader(kind, data).in_order for kind in (IN_ORDER, OUT_OF_ORDER, TORCH)} == {
+        IN_ORDER: True, OUT_OF_ORDER: False, TORCH: False}
+
+
 def test_throughput_contenders_deliver_the_same_samples(tmp_path: Path) -> None:
     from benchmarks.bench_throughput import run
     from benchmarks.common import Settings
