@@ -319,7 +319,8 @@ class ResumableIterableLoader(ResumableLoader):
         return self._deliver()
 
     def _position(self) -> int:
-        return self.schedule.received_batches
+        schedule = self.schedule  # out of order, the first batch not delivered is the one due
+        return schedule.received_batches if self.in_order else schedule.batches
 
     # -- delivery ---------------------------------------------------------------------------
 

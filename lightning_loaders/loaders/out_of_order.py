@@ -166,8 +166,13 @@ def rank_entry(part: Any, rank: int, world_size: int, batches: int, end: int) ->
             f"the out-of-order state holds no entry for rank {rank}: it was saved without a "
             "process group, on another rank; save with every rank calling state_dict() "
             "together (as Lightning does), or load each rank's own state")
+    if not any(isinstance(e, list | tuple) and e and _is_batch(e[0]) and e[0] == batches
+               for e in ranks):
+        raise StateMismatchError(
+            f"corrupted loader state: the cursor says batches={batches}, but no rank's "
+            f"entry in parts[{WINDOW!r}] has that frontier (the saving rank's must): {ranks!r}")
     ahead = None
-    if (isinstance(entry, list | tuple) and len(entry) == 2 and isinstance(entry[0], int)
+    if (isinstance(entry, list | tuple) and len(entry) == 2 and _is_batch(entry[0])
             and 0 <= entry[0] <= end and isinstance(entry[1], list | tuple)):
         ahead = _batches_of(entry[1], entry[0], end)
     if ahead is None:
@@ -194,13 +199,18 @@ def _batches_of(runs: Iterable[Any], frontier: int, end: int) -> list[int] | Non
     runs) is a run of one."""
     batches: list[int] = []
     for run in runs:
-        if isinstance(run, int):
+        if _is_batch(run):
             run = [run, run + 1]
         if not (isinstance(run, list | tuple) and len(run) == 2
-                and all(isinstance(b, int) for b in run)):
+                and all(_is_batch(b) for b in run)):
             return None
         start, stop = run
         if not (max(frontier, batches[-1] if batches else frontier) < start < stop <= end):
             return None
         batches.extend(range(start, stop))
     return batches
+
+
+def _is_batch(value: Any) -> bool:
+    """Whether a saved value is a batch number: an ``int``, not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)

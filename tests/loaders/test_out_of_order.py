@@ -7,6 +7,7 @@ speed. Two workers with ``prefetch_factor=2`` hold at most 4 batches in flight, 
 opens after 2 batches (the blocked worker holds the gated batch and at most one behind it)."""
 
 import os
+import signal
 import threading
 import time
 from collections import Counter
@@ -17,9 +18,10 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_loaders import ResumableLoader, StateMismatchError
+from lightning_loaders import ResumableLoader, StateMismatchError, WorkerCrashedError
 from lightning_loaders.sources.shards import GeneratorSource, SequenceSource, ShardedSource
 from lightning_loaders.testing import checkpoint_roundtrip
+from tests.conftest import loader_processes
 
 BATCH = 2
 
@@ -170,10 +172,18 @@ def test_a_window_with_batches_ahead_refuses_another_world_size(tmp_path: Path) 
     ahead = next(s for s in states if s["parts"]["window"]["ranks"][0][1])
     with pytest.raises(StateMismatchError, match="cannot resume on 2"):
         _make(gate, rank=0, world=2).load_state_dict(ahead)
-    for runs in ([99], [[99, 100]], [[3, 2]], [[1, 4], [3, 5]], [[0, 2]], [[1, "2"]]):
-        corrupted = {**ahead, "parts": {**ahead["parts"], "window": {"ranks": [[0, runs]]}}}
+    f = ahead["batches"]
+    for runs in ([99], [[99, 100]], [[f + 3, f + 2]], [[f + 1, f + 4], [f + 3, f + 5]],
+                 [[f, f + 2]], [[f + 1, "2"]], [True], [[True, f + 3]], [[f + 1.0, f + 3]]):
+        corrupted = {**ahead, "parts": {**ahead["parts"], "window": {"ranks": [[f, runs]]}}}
         with pytest.raises(StateMismatchError, match=r"corrupted.*\[start, stop\) runs"):
             _make(gate).load_state_dict(corrupted)
+    moved = next(s for s in states if s["batches"] > 0)  # a frontier edited apart from the cursor
+    for entry in ([0, []], [moved["batches"] - 1, _ahead(moved)]):
+        edited = {**moved, "parts": {**moved["parts"], "window": {"ranks": [entry]}}}
+        with pytest.raises(StateMismatchError, match=f"batches={moved['batches']}, but no "
+                                                     "rank's entry"):
+            _make(gate).load_state_dict(edited)
 
 
 def test_a_fast_worker_runs_on_past_the_batches_in_flight(tmp_path: Path) -> None:
@@ -520,6 +530,23 @@ def test_iterable_trainer_resumed_from_every_checkpoint_trains_on_each_batch_onc
     gate = tmp_path / "gate"
     plans = [_iterable_plan(epoch) for epoch in range(2)]
     _check_trainer_resumes(lambda: _make_iterable(gate), gate, plans, tmp_path, every=1)
+
+
+def test_a_worker_lost_out_of_order_names_the_first_batch_not_delivered(tmp_path: Path
+                                                                        ) -> None:
+    """The batch due next is the frontier (the gated first one), not the count received."""
+    gate = tmp_path / "gate"
+    loader = _make_iterable(gate, max_worker_restarts=0)
+    batches = iter(loader)
+    got = [next(batches) for _ in range(2)]  # past the gated first batch
+    assert tuple(got[0].tolist()) != _iterable_plan(0)[0] and loader.state_dict()["batches"] == 0
+    for worker in loader_processes():
+        os.kill(worker.pid, signal.SIGKILL)
+    with pytest.raises(WorkerCrashedError, match="with batch 0 of epoch 0 due next") as crashed:
+        for _ in batches:  # results sent before the kill still arrive
+            pass
+    assert crashed.value.batch == 0
+    gate.touch()
 
 
 def test_iterable_close_mid_epoch_goes_on_with_exactly_the_rest(tmp_path: Path) -> None:
