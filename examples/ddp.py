@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -93,8 +94,10 @@ def main() -> int:
     warnings.filterwarnings("ignore")
 
     # Lightning starts rank 1 as a copy of this script with this environment: it finds the
-    # directory rank 0 made.
-    os.environ.setdefault(_CKPT_DIR, tempfile.mkdtemp(prefix="lightning_loaders_ddp_"))
+    # directory rank 0 made, and rank 0 removes it at the end.
+    made_here = _CKPT_DIR not in os.environ
+    if made_here:
+        os.environ[_CKPT_DIR] = tempfile.mkdtemp(prefix="lightning_loaders_ddp_")
     ckpt_dir = Path(os.environ[_CKPT_DIR])
     full = fit(args, [])
     every_step = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1,
@@ -108,6 +111,8 @@ def main() -> int:
         dist.all_gather_object(gathered, mine)
     rank = dist.get_rank()
     dist.destroy_process_group()  # before exiting, so that no rank exits with gloo's threads alive
+    if made_here:  # every rank is done with the checkpoints (they all gathered above)
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
     if rank != 0:
         return 0
     ranks_full, ranks_before, ranks_after = runs

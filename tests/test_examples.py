@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -57,9 +58,14 @@ def test_example_runs(example: Example, tmp_path: Path) -> None:
     missing = [m for m in example.needs if importlib.util.find_spec(m) is None]
     if missing:
         pytest.skip(f"{example.script} needs {', '.join(missing)}")
+    temp = tmp_path / "temp"  # the example's TMPDIR: what it makes there, it removes
+    temp.mkdir()
     done = subprocess.run([sys.executable, str(script), *example.args], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(temp)})
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     for line in example.expect:
         assert line in done.stdout, output[-4000:]
+    left = [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")]
+    assert not left, f"{example.script} left {left} in its TMPDIR"
