@@ -6,7 +6,8 @@ delivered past it are the *ahead* set. As in ``DataLoader(in_order=False)``, a f
 on while a slow one holds the frontier, however far: requests go out in plan order and at most
 ``num_workers * prefetch_factor`` are in flight, so every batch between the frontier and the
 last one delivered was delivered except those still in flight. The state saves the ahead set
-as runs of consecutive batches, at most one more than the batches in flight, whatever the
+as runs of consecutive batches; the frontier and each gap between two runs is a batch in
+flight (or one a trainer holds unused), so there are no more runs than those, whatever the
 dataset's size or how far ahead the fast worker ran. A resume requests every planned batch from
 the frontier that is not in the ahead set: nothing is repeated and nothing is lost.
 
@@ -205,7 +206,7 @@ def _batches_of(runs: Iterable[Any], frontier: int, end: int) -> list[int] | Non
                 and all(_is_batch(b) for b in run)):
             return None
         start, stop = run
-        if not (max(frontier, batches[-1] if batches else frontier) < start < stop <= end):
+        if not (batches[-1] if batches else frontier) < start < stop <= end:
             return None
         batches.extend(range(start, stop))
     return batches
