@@ -29,7 +29,11 @@ may use were (``cpu_busy``, from ``/proc/stat``: any process on the machine coun
 Every change rebuilds the worker pool from the cursor (a fork per worker), so the rule changes
 the setting at most once per window, tries at most ``max_changes`` steps (plus one return to
 the best), ignores ``warmup`` batches after each change (worker start-up), and leaves out the
-first batch of every epoch and the time between epochs. ``decide`` is a pure function of its
+first batch of every epoch and the time between epochs. It also leaves out the *pauses* of the
+caller's loop: a batch whose own work is at least ``PAUSE_MIN_S`` and more than ``PAUSE``
+times the caller's typical work per batch (validation or a checkpoint inside an epoch,
+counted as one step's work, would make the setting that ran then look slow, and send the
+tuning back to a worse one for the whole run). ``decide`` is a pure function of its
 arguments, so the rule is tested by feeding it measurements.
 """
 
@@ -38,11 +42,14 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from typing import Literal
 
 __all__ = [
+    "PAUSE",
+    "PAUSE_MIN_S",
     "AutotuneConfig",
     "Autotuner",
     "CpuTimes",
@@ -64,6 +71,12 @@ Phase = Literal["workers", "prefetch", "done"]
 _NEXT_PHASE: dict[Phase, Phase] = {"workers": "prefetch", "prefetch": "done", "done": "done"}
 _PROC_STAT = "/proc/stat"
 _HEADROOM = 1.25  # workers asked for from 0 workers: this much more fetch capacity than needed
+PAUSE = 10.0
+"""How many times the caller's typical own work per batch a batch's own work must exceed to
+be a pause of its loop (validation, a checkpoint), left out of its window."""
+PAUSE_MIN_S = 0.05
+"""The shortest own work of a batch that can be a pause: fast loops jitter by more than
+``PAUSE`` times a few microseconds of work, and such a batch weighs nothing anyway."""
 
 
 def available_cpus() -> int:
@@ -209,13 +222,15 @@ class Setting:
 @dataclass(frozen=True)
 class Window:
     """A measurement window: ``batches`` delivered, seconds the caller waited for them in
-    ``next()``, wall seconds (waits plus the caller's work between ``next()`` calls), and the
-    busy fraction of the usable CPUs over it (``None``: unknown)."""
+    ``next()``, wall seconds (waits plus the caller's work between ``next()`` calls), the
+    busy fraction of the usable CPUs over it (``None``: unknown), and the ``paused`` batches
+    left out of it (pauses of the caller's loop, module docstring)."""
 
     batches: int
     wait_s: float
     wall_s: float
     cpu_busy: float | None = None
+    paused: int = 0
 
     @property
     def wait_fraction(self) -> float:
@@ -280,6 +295,8 @@ def decide(config: AutotuneConfig, tuning: Tuning, window: Window) -> Tuning:
     speed = f"{window.seconds_per_batch * 1e3:.3g} ms/batch"
     kept = best is None or window.seconds_per_batch < (best.window.seconds_per_batch
                                                        * (1 - config.min_gain))
+    if window.paused:
+        speed = f"{speed}, {window.paused} pause{'s' * (window.paused > 1)} of the loop left out"
     if kept:
         best = base = trial
         reason = f"{trial.setting}: wait fraction {window.wait_fraction:.2f}, {speed}"
@@ -351,7 +368,9 @@ class Autotuner:
     first batch of an epoch) and returns a new setting when one is decided. The caller applies
     it (now, or at the epoch's end) and then calls ``applied()``; batches observed meanwhile,
     and ``warmup`` batches after it, are not measured (``restart()`` drops a window whose pool
-    changed under it, the same way). The first window lasts ``probe``
+    changed under it, the same way). A batch whose ``work_s`` is a pause (at least
+    ``PAUSE_MIN_S``, and over ``PAUSE`` times the median own work of the window's batches so
+    far and of the last window) is left out of its window. The first window lasts ``probe``
     batches, the others ``window``. ``cpu_times`` (``read_cpu_times`` by default) is read where
     a window starts (after ``applied()`` and its warmup, or at its first measured batch) and
     where it ends, for the window's ``cpu_busy``.
@@ -366,6 +385,8 @@ class Autotuner:
         self._ignore = 0
         self._pending = False
         self._batches, self._wait_s, self._wall_s = 0, 0.0, 0.0
+        self._works: list[float] = []  # the own work of the window's batches, pauses too
+        self._typical: float | None = None  # the median own work of the last window
         self._cpu_start: CpuTimes | None = None
         self._started = False  # whether the window has its starting CPU times
 
@@ -388,6 +409,9 @@ class Autotuner:
             return None
         if not self._started:
             self._start_window()
+        self._works.append(work_s)
+        if self._paused(work_s):
+            return None
         self._batches += 1
         self._wait_s += wait_s
         self._wall_s += wait_s + work_s
@@ -395,8 +419,10 @@ class Autotuner:
         if self._batches < batches or self._wall_s < self.config.min_window_s:
             return None
         busy = busy_fraction(self._cpu_start, self._cpu_times())
-        window = Window(self._batches, self._wait_s, self._wall_s, busy)
-        self._batches, self._wait_s, self._wall_s = 0, 0.0, 0.0
+        window = Window(self._batches, self._wait_s, self._wall_s, busy,
+                        paused=len(self._works) - self._batches)
+        self._typical = statistics.median_low(self._works)
+        self._reset_window()
         self._started = False
         before = self.tuning.setting
         self.tuning = decide(self.config, self.tuning, window)
@@ -425,8 +451,21 @@ class Autotuner:
         if not (self.done or self._pending):
             self._after_warmup()
 
-    def _after_warmup(self) -> None:
+    def _paused(self, work_s: float) -> bool:
+        """Whether the batch just added to the window, with ``work_s`` of the caller's own
+        work, timed a pause of its loop (the class docstring); judged only for slow batches,
+        so that fast loops never sort."""
+        if work_s < PAUSE_MIN_S:
+            return False
+        typical = [self._typical] if self._typical is not None else []
+        return work_s > PAUSE * statistics.median_low(self._works + typical)
+
+    def _reset_window(self) -> None:
         self._batches, self._wait_s, self._wall_s = 0, 0.0, 0.0
+        self._works = []
+
+    def _after_warmup(self) -> None:
+        self._reset_window()
         self._ignore = self.config.warmup
         self._started = False
         if not self._ignore:

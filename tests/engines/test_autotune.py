@@ -8,6 +8,8 @@ from dataclasses import replace
 import pytest
 
 from lightning_loaders.engines.autotune import (
+    PAUSE,
+    PAUSE_MIN_S,
     AutotuneConfig,
     Autotuner,
     CpuTimes,
@@ -214,6 +216,84 @@ def test_the_first_window_lasts_probe_batches_and_later_ones_window() -> None:
 
 def test_probe_defaults_to_two_batches() -> None:
     assert AutotuneConfig().probe == 2 and AutotuneConfig().window == 16
+
+
+# -- pauses of the caller's loop (validation, checkpoints) ----------------------------------------
+
+
+PAUSING = AutotuneConfig(max_workers=2, probe=2, window=4, warmup=0, high_wait=0.05,
+                         min_gain=0.05, max_prefetch=2, saturated=None, min_window_s=0.0)
+
+
+def test_a_pause_in_a_window_is_left_out_of_it() -> None:
+    """A 2 s validation between two 10 ms steps of 2 workers: without it the window is 4
+    batches of 20 ms (10 ms waited), faster than the probe's 50 ms at 0 workers, and kept; the
+    pause's batch counts in ``paused`` and the reason, not in the window's time."""
+    tuner = Autotuner(PAUSING, 2, cpu_times=unknown_cpu_times)
+    assert [tuner.observe(0.04, 0.01) for _ in range(2)] == [None, Setting(2, 2)]
+    tuner.applied()
+    decisions = [tuner.observe(wait, work) for wait, work in
+                 [(0.01, 0.01), (0.0, 2.0), (0.01, 0.01), (0.01, 0.01), (0.01, 0.01)]]
+    assert decisions == [None] * 5  # kept, and max_workers and max_prefetch reached: done
+    trial = tuner.tuning.trials[1]
+    assert trial.setting == Setting(2, 2)
+    assert trial.window == Window(4, pytest.approx(0.04), pytest.approx(0.08), paused=1)
+    assert tuner.tuning.setting == Setting(2, 2) and tuner.done
+    assert "20 ms/batch, 1 pause of the loop left out" in tuner.tuning.reason
+
+
+def test_without_leaving_pauses_out_one_would_send_the_tuning_back_to_no_workers() -> None:
+    """What the rule makes of the same window with the pause counted as a step: 520 ms per
+    batch, far slower than the probe, so it goes back to 0 workers for the whole run."""
+    probe = Window(2, 0.08, 0.1)
+    counted = Window(4, 0.03, 2.06)
+    tuning = decide(PAUSING, start(PAUSING, 2), probe)
+    assert decide(PAUSING, tuning, counted).setting == Setting(0, 2)
+
+
+def test_a_pause_as_a_window_s_first_batch_is_judged_by_the_last_window() -> None:
+    tuner = Autotuner(PAUSING, 2, cpu_times=unknown_cpu_times)
+    assert [tuner.observe(0.04, 0.01) for _ in range(2)] == [None, Setting(2, 2)]
+    tuner.applied()
+    for wait, work in [(0.0, 1.0), (0.01, 0.01), (0.01, 0.01), (0.01, 0.01), (0.01, 0.01)]:
+        tuner.observe(wait, work)
+    assert tuner.tuning.trials[1].window.paused == 1
+    assert tuner.tuning.trials[1].window.batches == 4
+
+
+@pytest.mark.parametrize("works", [
+    [0.002, 0.04, 0.002, 0.002],  # 20x the others, but under PAUSE_MIN_S: jitter of a fast loop
+    [0.1, 0.9, 0.1, 0.1],  # 9x the others: a slow step, not a pause
+])
+def test_what_is_not_a_pause_stays_in_the_window(works: list[float]) -> None:
+    config = replace(PAUSING, probe=4)
+    tuner = Autotuner(config, 2, cpu_times=unknown_cpu_times)
+    for work in works:
+        tuner.observe(0.01, work)
+    window = tuner.tuning.trials[0].window
+    assert window.paused == 0 and window.batches == 4
+    assert window.wall_s == pytest.approx(0.04 + sum(works))
+
+
+def test_when_the_loop_s_steps_become_slower_the_median_follows_them() -> None:
+    """The first 2 s step after 0.1 s ones looks like a pause; from the next one on, the
+    median is 2 s and they count."""
+    config = replace(PAUSING, probe=4)
+    tuner = Autotuner(config, 2, cpu_times=unknown_cpu_times)
+    for work in [0.1, 2.0, 2.0, 2.0, 2.0]:
+        tuner.observe(0.01, work)
+    window = tuner.tuning.trials[0].window
+    assert (window.batches, window.paused) == (4, 1)
+    assert window.wall_s == pytest.approx(0.04 + 6.1)
+
+
+def test_pauses_are_judged_only_above_pause_min_s_and_pause_times_the_median() -> None:
+    assert PAUSE_MIN_S == 0.05 and PAUSE == 10.0
+    config = replace(PAUSING, probe=4)
+    tuner = Autotuner(config, 2, cpu_times=unknown_cpu_times)
+    for work in [0.01, 0.101, 0.01, 0.01, 0.01]:  # 0.101 > 10 * 0.01 and > 0.05: a pause
+        tuner.observe(0.01, work)
+    assert tuner.tuning.trials[0].window.paused == 1
 
 
 # -- the first step from 0 workers: k = ceil(1.25 * f / w) --------------------------------------

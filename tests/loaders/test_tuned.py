@@ -22,7 +22,7 @@ from lightning_loaders import AutotuneConfig, GeneratorSource, ResumableLoader
 from lightning_loaders.loaders.tuned import TunedDelivery, autotuner_for
 from lightning_loaders.testing import check_resume_at_every_step, run_epochs, to_plain
 from tests.conftest import loader_processes
-from tests.lightning_harness import check_trainer_resume
+from tests.lightning_harness import RecordingModule, check_trainer_resume, make_trainer
 
 FORCED = AutotuneConfig(max_workers=2, probe=2, window=2, warmup=0, high_wait=0.0, min_gain=0.0,
                         saturated=None, min_window_s=0.0)
@@ -249,6 +249,42 @@ def test_lightning_fit_and_resume_with_auto(tmp_path: Path) -> None:
     assert len(full) == 12
     per_epoch = [sorted(i for e, _, b in full if e == epoch for i in b) for epoch in (0, 1)]
     assert per_epoch == [list(range(12))] * 2
+
+
+class _SlowValidation(RecordingModule):
+    """Validation takes ``VALIDATION_S``, far longer than a training step."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        time.sleep(VALIDATION_S)
+
+
+VALIDATION_S = 1.0
+
+
+class _SleepyDataset(SlowDataset):
+    """``SlowDataset`` at 5 ms a sample: 2 workers are clearly faster than the main process."""
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        time.sleep(0.004)
+        return super().__getitem__(index)
+
+
+def test_a_validation_inside_the_epoch_is_left_out_of_the_tuning(tmp_path: Path) -> None:
+    """A real ``Trainer`` validating every 5 steps: the 2 workers' window (batches 3-6, after
+    the 2-batch probe at 0 workers) holds the validation after step 5. Counted as a step's
+    work, it made 2 workers look far slower than the main process, and the tuning went back
+    to 0 workers for the whole run; left out, 2 workers stay."""
+    config = AutotuneConfig(max_workers=2, probe=2, window=4, warmup=0, max_prefetch=2,
+                            saturated=None, min_window_s=0.0)
+    loader = ResumableLoader(_SleepyDataset(48), batch_size=4, num_workers=config)
+    validation = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(2, 1)))
+    trainer = make_trainer(tmp_path, 1, val_check_interval=5, limit_val_batches=1)
+    trainer.fit(_SlowValidation(), loader, validation)
+    tuning = loader.autotune
+    assert tuning is not None
+    assert [t.setting.workers for t in tuning.trials[:2]] == [0, 2], tuning.reason
+    assert tuning.setting.workers == 2, tuning.reason
+    assert tuning.trials[1].window.paused == 1, tuning.trials
 
 
 def test_in_memory_data_stops_tuning_at_once() -> None:
