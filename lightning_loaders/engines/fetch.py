@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Callable, Iterator
-from itertools import islice
+from itertools import accumulate, islice
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -113,8 +113,8 @@ class BatchFetcher(Dataset[Any]):
 
         Consecutive batches are gathered together, up to about ``_GATHER_BLOCK_BYTES``: one
         large ``index_select`` pays Python's per-call cost once and is split over torch's
-        intra-op threads, where a small one runs on one. Each batch is a view of its block,
-        so holding one batch keeps at most that block alive.
+        intra-op threads, where a small one runs on one. Each batch lies in its block's memory
+        (``_split``), so holding one batch keeps at most that block alive.
         """
         gather = self._gather
         assert gather is not None, "gathered() needs in-memory data"
@@ -379,9 +379,18 @@ class _SubsetGather:
 
 
 def _split(batch: Any, sizes: list[int]) -> list[Any]:
-    """A gathered block cut back into batches of ``sizes`` rows (views, no copies)."""
+    """A gathered block cut back into batches of ``sizes`` rows, each a tensor of its own over
+    the block's memory (no copy). Not views: views of one block share its autograd version
+    counter, so an in-place op on a batch (``x.sub_(mean)``) would fail the backward of an
+    earlier batch still in a graph (gradient accumulation), and ``split``'s views refuse an
+    in-place op with an operand that requires grad."""
     if isinstance(batch, torch.Tensor):
-        return list(batch.split(sizes))
+        storage, stride = batch.untyped_storage(), batch.stride()
+        offsets = accumulate(sizes[:-1], initial=0)
+        return [torch.empty(0, dtype=batch.dtype, device=batch.device).set_(
+                    storage, batch.storage_offset() + offset * stride[0],
+                    (size, *batch.shape[1:]), stride)
+                for offset, size in zip(offsets, sizes, strict=True)]
     if isinstance(batch, dict):
         keys = list(batch)
         return [dict(zip(keys, parts, strict=True))

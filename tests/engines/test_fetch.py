@@ -2,6 +2,7 @@
 
 import pickle
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -114,7 +115,7 @@ def test_gathered_blocks_equal_batch_by_batch_gathers(name: str) -> None:
 
 
 def test_a_gathered_batch_keeps_at_most_its_block_alive(monkeypatch) -> None:
-    """Blocks hold about _GATHER_BLOCK_BYTES of batches: a batch is a view of one block."""
+    """Blocks hold about _GATHER_BLOCK_BYTES of batches: a batch lies in one block."""
     rows = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)  # 64 bytes a row
     monkeypatch.setattr("lightning_loaders.engines.fetch._GATHER_BLOCK_BYTES", 4 * 64 * 4)
     fetcher = BatchFetcher(rows, None, seed=0)
@@ -123,6 +124,45 @@ def test_a_gathered_batch_keeps_at_most_its_block_alive(monkeypatch) -> None:
     assert len(storages) == 4, "16 batches of 256 bytes in blocks of 1 KiB"
     assert all(b.untyped_storage().nbytes() == 1024 for b in batches)
     assert all(b.is_contiguous() for b in batches)
+
+
+def test_gathered_batches_of_one_block_are_independent_tensors() -> None:
+    """Each batch of a block is a tensor of its own, as torch's are: an in-place op on one
+    leaves the others' autograd version counters alone, and one may take an operand that
+    requires grad (``split``'s views of one block shared a counter, and refused that)."""
+    fetcher = BatchFetcher(torch.arange(64.0).reshape(16, 4), None, seed=0)
+    first, second, *_ = fetcher.gathered(iter(_requests([4] * 4)))
+    assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+    assert not first._is_view() and first._base is None
+    version = first._version
+    second.sub_(1.0)
+    assert first._version == version
+    weight = torch.tensor(2.0, requires_grad=True)
+    second.mul_(weight)
+    assert second.requires_grad and not first.requires_grad
+
+
+def test_in_place_normalising_with_gradient_accumulation_works_as_with_dataloader() -> None:
+    """A user's loop: ``x.sub_(mean)`` on each batch, one backward every 4 batches. On
+    batches that were views of one block, each ``sub_`` moved the version of the batches
+    before it, and the backward failed (``modified by an inplace operation``)."""
+    data = TensorDataset(torch.randn(256, 8))
+    layer = torch.nn.Linear(8, 1)
+
+    def train(loader: Any) -> torch.Tensor:
+        layer.zero_grad()
+        loss: Any = 0
+        for i, (x,) in enumerate(loader):
+            x.sub_(0.5)
+            loss = loss + layer(x).sum()
+            if i % 4 == 3:
+                loss.backward()
+                loss = 0
+        assert layer.weight.grad is not None
+        return layer.weight.grad.clone()
+
+    expected = train(DataLoader(data, batch_size=16))
+    assert torch.allclose(train(ResumableLoader(data, batch_size=16)), expected)
 
 
 class _Scaled(TensorDataset):
