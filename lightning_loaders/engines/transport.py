@@ -13,8 +13,11 @@ reusable ``/dev/shm`` slots, mapped and faulted in once:
 - ``RingReader`` (main process) rebuilds the result with its tensors as views of the slot, no
   copy. The slot stays the user's while any tensor of that batch lives, and returns to its
   worker when the last one dies: a delivered batch is never overwritten, and may be kept as
-  long as one likes. With ``pin_memory`` the tensors are copied into pinned memory instead
-  (the copy pinning makes anyway) and the slot is free at once.
+  long as one likes. A process forked meanwhile (``multiprocessing`` with fork, given the
+  batch) shares the slot's memory and may read it for as long as it runs, so such a slot is
+  retired instead: its worker never writes into it again, and makes a new one in its place.
+  With ``pin_memory`` the tensors are copied into pinned memory instead (the copy pinning
+  makes anyway) and the slot is free at once.
 
 A slot is sized by the first result it carries and replaced by a larger one when a result does
 not fit; a worker keeps at most ``slots`` of them, none over ``MAX_SLOT_BYTES``. A result that
@@ -64,10 +67,20 @@ processes over a loader in the main process, on tiny batches of this 2-core VM).
 TRANSIT_TENSOR_S = 13e-6
 """What each tensor of a batch adds to ``TRANSIT_BATCH_S`` (its place in the slot, its view)."""
 _PREFIX = "ll_ring"
-_HEADER = 64  # bytes before a slot's data: byte 0 is 1 while the slot carries a result
+_HEADER = 64  # bytes before a slot's data: byte 0 says what the slot is (below)
+_FREE, _LEASED, _RETIRED = 0, 1, 2  # its worker may fill it; it carries a result; never again
 _ALIGN = 64
 _GROWTH = 1.25  # a new slot leaves room for results a little larger than the one that made it
 _ring: _Ring | None = None  # this worker process's ring, once its packer is installed
+_forks = 0  # forks of this process so far: a lease older than the last one is retired
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_parent=_forked)
 
 
 def ring_files(owner: int | None = None) -> list[str]:
@@ -197,9 +210,9 @@ class RingReader:
                     refs = [_copy_out(lease, ref) if isinstance(ref, tuple) else ref
                             for ref in refs]
                 finally:
-                    view[0] = 0  # the slot is free
+                    view[0] = _FREE
             else:
-                weakref.finalize(lease, _free, view, self.owner).atexit = False
+                weakref.finalize(lease, _free, view, self.owner, _forks).atexit = False
                 refs = [_view(lease, ref) if isinstance(ref, tuple) else ref for ref in refs]
             del lease
         if pin:
@@ -248,11 +261,13 @@ def _view(lease: np.ndarray, ref: tuple[int, torch.dtype, tuple[int, ...]]) -> t
     return torch.from_numpy(lease[offset:offset + _nbytes(dtype, shape)]).view(dtype).view(shape)
 
 
-def _free(view: mmap.mmap, owner: int) -> None:
-    """The last view of a delivered batch is gone: its slot is free for its worker again. Not
-    in a process forked from the owner (its copies of the batch die there, not the owner's)."""
+def _free(view: mmap.mmap, owner: int, forks: int) -> None:
+    """The last view of a delivered batch is gone: its slot is free for its worker again, or
+    retired when this process forked since the batch was delivered (``forks`` then): the
+    child may still read it. Not in a process forked from the owner (its copies of the batch
+    die there, not the owner's)."""
     if os.getpid() == owner and not view.closed:
-        view[0] = 0
+        view[0] = _FREE if forks == _forks else _RETIRED
 
 
 def _close(view: mmap.mmap) -> None:
@@ -364,15 +379,20 @@ class _Ring:
             if place >= start and tensor.nbytes:
                 _tensor_at(slot.view, place, tensor.dtype, tuple(tensor.shape)).copy_(tensor)
             refs.append((place, tensor.dtype, tuple(tensor.shape)))
-        slot.view[0] = 1
+        slot.view[0] = _LEASED
         return Packed(payload=buffer.getvalue(), refs=refs, worker_pid=self.pid, slot=index,
                       generation=slot.generation, size=slot.size)
 
     def _free_slot(self, need: int) -> int | None:
         """A free slot of at least ``need`` bytes: a free one that fits, else a new one (in
         place of the smallest free one when all ``limit`` exist); ``None`` when all are
-        busy, ``need`` is over ``MAX_SLOT_BYTES`` or no shared memory is left."""
-        free = [i for i, slot in enumerate(self.slots) if slot is None or slot.view[0] == 0]
+        busy, ``need`` is over ``MAX_SLOT_BYTES`` or no shared memory is left. Retired slots
+        are dropped first: their places are free."""
+        for i, slot in enumerate(self.slots):
+            if slot is not None and slot.view[0] == _RETIRED:
+                self.slots[i] = None
+                _unlink(slot.name)
+        free = [i for i, slot in enumerate(self.slots) if slot is None or slot.view[0] == _FREE]
         fits = [i for i in free if (slot := self.slots[i]) is not None and slot.size >= need]
         if fits:
             return fits[0]

@@ -251,6 +251,36 @@ def test_a_forked_child_dropping_its_copy_of_a_batch_does_not_free_the_slot() ->
 
 
 @needs_shm
+def test_a_forked_child_keeps_its_copy_of_a_batch_the_parent_dropped() -> None:
+    """A process forked while the user holds a batch (``multiprocessing`` with fork, given the
+    batch to save or log) shares the slot: when the parent drops its copy, the slot is
+    retired, never filled again, and the child reads the batch it was given however long it
+    runs. It was handed back to its worker and overwritten by the next batches."""
+    loader = ResumableLoader(Images(), batch_size=32, num_workers=1, prefetch_factor=1)
+    iterator = iter(loader)
+    held = next(iterator)
+    assert _in_ring(held["image"])
+    expected = held["image"].numpy().copy()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child waits until the parent has read every other batch; numpy, as
+        os.close(write)  # torch's intra-op threads may not run in a forked child
+        os.read(read, 1)
+        os._exit(0 if np.array_equal(held["image"].numpy(), expected) else 1)
+    os.close(read)
+    del held
+    gc.collect()
+    batches = [int(batch["image"][0, 0, 0, 0]) for batch in iterator]  # slots used again
+    assert batches == [32 * k % 251 for k in range(1, 12)]
+    os.write(write, b"x")
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child's batch was overwritten"
+    loader.close()
+    _assert_no_ring_left()
+
+
+@needs_shm
 def test_a_killed_worker_is_recovered_exactly_and_leaves_no_slot() -> None:
     expected = run_epochs(_loader(Samples(30), False, shuffle=True), range(2), key=_exact)
     loader = _loader(Samples(30), True, shuffle=True)
