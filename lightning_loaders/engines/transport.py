@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import default_collate
-from torch.utils.data._utils.collate import collate, default_collate_fn_map
+from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
 __all__ = ["MAX_SLOT_BYTES", "SHM_DIR", "TRANSIT_BATCH_S", "TRANSIT_TENSOR_S", "Packed",
            "RingPacker", "RingReader", "ring_collate", "ring_files", "transit_s", "worker_collate"]
@@ -139,18 +139,46 @@ def ring_collate(samples: list[Any]) -> Any:
     """
     arena = _ring.arena(_collated_bytes(samples)) if _ring is not None and samples else None
     if arena is None:
-        return default_collate(samples)
+        return _default_collate(samples)
     return collate(samples, collate_fn_map={**default_collate_fn_map,
                                             torch.Tensor: arena.stack})
 
 
 def worker_collate(collate_fn: Callable[[list[Any]], Any] | None, ring: bool
                    ) -> Callable[[list[Any]], Any]:
-    """The collate a fetcher runs: the user's, else ``default_collate`` (``ring_collate``
-    when worker processes send through rings)."""
+    """The collate a fetcher runs: the user's, else ``default_collate``'s values, as the main
+    process gets them (``ring_collate`` when worker processes send through rings)."""
     if collate_fn is not None and collate_fn is not default_collate:
         return collate_fn
-    return ring_collate if ring else default_collate
+    return ring_collate if ring else _default_collate
+
+
+def _stacked_dtype(batch: list[torch.Tensor]) -> torch.dtype:
+    """The dtype ``torch.stack(batch)`` gives: the tensors' dtypes promoted together."""
+    dtype = batch[0].dtype
+    for tensor in batch:
+        if tensor.dtype != dtype:
+            dtype = torch.promote_types(dtype, tensor.dtype)
+    return dtype
+
+
+def _stack(batch: list[torch.Tensor], *,
+           collate_fn_map: dict[Any, Any] | None = None) -> torch.Tensor:
+    """``default_collate`` of tensors as the main process makes it, in any process. In a worker
+    process torch's stacks into a shared tensor of the first one's dtype, which casts the
+    others (a float after an int loses its fraction) where the main process promotes; tensors
+    of one dtype go torch's way (into shared memory: no copy to send them)."""
+    if _stacked_dtype(batch) != batch[0].dtype:
+        return torch.stack(batch)
+    return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+
+
+_COLLATE_FN_MAP = {**default_collate_fn_map, torch.Tensor: _stack}
+
+
+def _default_collate(samples: list[Any]) -> Any:
+    """``default_collate`` with ``_stack`` for tensors: the same values in every process."""
+    return collate(samples, collate_fn_map=_COLLATE_FN_MAP)
 
 
 def transit_s(result: Any) -> float:
@@ -314,9 +342,10 @@ class _Arena:
               collate_fn_map: dict[Any, Any] | None = None) -> torch.Tensor:
         """``default_collate`` of tensors (``torch.stack``), into the slot when it has room."""
         elem = batch[0]
-        out = self.empty(elem.dtype, (len(batch), *elem.shape)) if _plain(elem) else None
+        shape = (len(batch), *elem.shape)
+        out = self.empty(_stacked_dtype(batch), shape) if _plain(elem) else None
         if out is None:
-            return default_collate(batch)
+            return _stack(batch, collate_fn_map=collate_fn_map)
         return torch.stack(batch, 0, out=out)
 
 

@@ -80,6 +80,40 @@ def test_map_style_stream_and_sample_rng_are_the_same_for_every_backend(
     assert _pool_threads() == []
 
 
+class MixedDtypes(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Samples whose tensors differ in dtype within a batch: ``halves`` is an int for most
+    samples and ``i + 0.5`` (float32) for some, after an int in its batch; ``precise`` is
+    float32 or float64."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        half = torch.tensor([index + 0.5]) if index % 4 == 1 else torch.tensor([index])
+        precise = torch.tensor([index / 3], dtype=torch.float64 if index % 2 else torch.float32)
+        return {"halves": half, "precise": precise}
+
+
+def _typed(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    return {key: (str(value.dtype), value.flatten().tolist()) for key, value in batch.items()}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("backend", ["process", "thread"])
+def test_samples_of_mixed_dtypes_collate_as_in_the_main_process(backend: str,
+                                                                 workers: int) -> None:
+    """``default_collate`` promotes mixed dtypes in the main process (``torch.stack``), but in
+    a torch worker process it stacks into the first sample's dtype: 1.5 after an int became 1,
+    and float64 values were rounded to float32. Every backend and worker count now gives the
+    main process's values."""
+    expected = [_typed(b) for b in ResumableLoader(MixedDtypes(), batch_size=4)]
+    assert expected[0]["halves"] == ("torch.float32", [0.0, 1.5, 2.0, 3.0])
+    assert expected[0]["precise"][0] == "torch.float64"
+    loader = ResumableLoader(MixedDtypes(), batch_size=4, num_workers=workers, backend=backend)
+    assert [_typed(b) for b in loader] == expected
+    loader.close()
+
+
 @pytest.mark.parametrize("workers", [1, 3])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_out_of_order_delivers_each_batch_once_and_resumes_exactly(
