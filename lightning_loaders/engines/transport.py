@@ -22,8 +22,9 @@ reusable ``/dev/shm`` slots, mapped and faulted in once:
 A slot is sized by the first result it carries and replaced by a larger one when a result does
 not fit; a worker keeps at most ``slots`` of them, none over ``MAX_SLOT_BYTES``. A result that
 meets no free slot (the user holds them all), a tensor the ring does not take (views with
-gaps, tensors needing grad, other devices...) and a result that does not pickle go through
-torch's path unchanged.
+gaps, tensors needing grad, other devices...), a result whose tensors share memory (a buffer
+and views of it, which stay so only torch's way) and a result that does not pickle go
+through torch's path unchanged.
 
 Lifetime: slots are named ``ll_ring_<main pid>_<worker pid>_<slot>_<generation>``. The main
 process unlinks a slot's name as soon as it has mapped it (mappings keep the memory until both
@@ -382,6 +383,8 @@ class _Ring:
             pickler.dump(result)
         except Exception:  # pickled whole, torch's way, it reports its own error
             return result
+        if _aliased(pickler.tensors):  # only torch's way keeps them views of one memory
+            return result
         placed = arena.placed if arena is not None else {}
         start = end = arena.end if arena is not None else _HEADER
         places: list[int | None] = []  # in the slot (collated there, or copied from ``start``)
@@ -493,6 +496,25 @@ class _Unpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         return self.refs[pid]
+
+
+def _aliased(tensors: list[Any]) -> bool:
+    """Whether two of a result's tensors (or storages) share memory, as a buffer and views of
+    it do: the ring copies each tensor on its own, which would part them."""
+    seen: set[int] = set()
+    for obj in tensors:
+        if isinstance(obj, torch.Tensor):
+            if obj.layout != torch.strided:
+                continue
+            storage = obj.untyped_storage()
+        else:
+            storage = obj.untyped() if isinstance(obj, torch.TypedStorage) else obj
+        if storage.nbytes():
+            address = storage.data_ptr()
+            if address in seen:
+                return True
+            seen.add(address)
+    return False
 
 
 def _plain(obj: Any) -> bool:

@@ -280,6 +280,37 @@ def test_a_forked_child_keeps_its_copy_of_a_batch_the_parent_dropped() -> None:
     _assert_no_ring_left()
 
 
+def _packed_with_views(samples: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A collate that packs the samples into one flat buffer and hands out views of it (as
+    sequence packing does), and the buffer's first row by another name."""
+    flat = torch.cat(samples)
+    return {"flat": flat, "rows": flat.view(len(samples), -1), "first": flat[:4]}
+
+
+class Rows(Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.arange(4.0) + 10 * index
+
+
+@needs_shm
+def test_tensors_that_share_memory_arrive_sharing_it() -> None:
+    """A result whose tensors are a buffer and views of it goes torch's way, which keeps them
+    views of one memory (as ``DataLoader`` does): an in-place op through one shows in the
+    others. The ring copied each on its own, so they parted."""
+    loader = ResumableLoader(Rows(), batch_size=3, num_workers=2, collate_fn=_packed_with_views)
+    batches = list(loader)
+    assert len(batches) == 8
+    for k, batch in enumerate(batches):
+        assert torch.equal(batch["rows"], torch.stack([Rows()[i] for i in range(3 * k, 3 * k + 3)]))
+        batch["rows"].sub_(1)
+        assert torch.equal(batch["flat"], batch["rows"].reshape(-1))
+        assert torch.equal(batch["first"], batch["rows"][0])
+    loader.close()
+
+
 @needs_shm
 def test_a_killed_worker_is_recovered_exactly_and_leaves_no_slot() -> None:
     expected = run_epochs(_loader(Samples(30), False, shuffle=True), range(2), key=_exact)
