@@ -499,17 +499,18 @@ class _Unpickler(pickle.Unpickler):
 
 
 def _aliased(tensors: list[Any]) -> bool:
-    """Whether two of a result's tensors (or storages) share memory, as a buffer and views of
-    it do: the ring copies each tensor on its own, which would part them."""
+    """Whether two of a result's dense CPU tensors (or untyped storages) share memory, as a
+    buffer and views of it do: the ring copies each tensor on its own, which would part them
+    (it takes no other kind)."""
     seen: set[int] = set()
     for obj in tensors:
-        if isinstance(obj, torch.Tensor):
-            if obj.layout != torch.strided:
-                continue
+        if isinstance(obj, torch.Tensor) and obj.layout == torch.strided:
             storage = obj.untyped_storage()
+        elif isinstance(obj, torch.UntypedStorage):
+            storage = obj
         else:
-            storage = obj.untyped() if isinstance(obj, torch.TypedStorage) else obj
-        if storage.nbytes():
+            continue
+        if storage.device.type == "cpu" and storage.nbytes():
             address = storage.data_ptr()
             if address in seen:
                 return True
