@@ -262,23 +262,23 @@ VALIDATION_S = 1.0
 
 
 class _SleepyDataset(SlowDataset):
-    """``SlowDataset`` at 5 ms a sample: 2 workers are clearly faster than the main process."""
+    """``SlowDataset`` at 10 ms a sample: 2 workers are clearly faster than the main process."""
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        time.sleep(0.004)
+        time.sleep(0.009)
         return super().__getitem__(index)
 
 
 def test_a_validation_inside_the_epoch_is_left_out_of_the_tuning(tmp_path: Path) -> None:
-    """A real ``Trainer`` validating every 5 steps: the 2 workers' window (batches 3-6, after
-    the 2-batch probe at 0 workers) holds the validation after step 5. Counted as a step's
-    work, it made 2 workers look far slower than the main process, and the tuning went back
-    to 0 workers for the whole run; left out, 2 workers stay."""
-    config = AutotuneConfig(max_workers=2, probe=2, window=4, warmup=0, max_prefetch=2,
+    """A real ``Trainer`` validating every 7 steps: after the 2-batch probe at 0 workers and 2
+    warmup batches, the 2 workers' window (batches 5-10) holds the validation after step 7.
+    Counted as a step's work, it made 2 workers look far slower than the main process, and
+    the tuning went back to 0 workers for the whole run; left out, 2 workers stay."""
+    config = AutotuneConfig(max_workers=2, probe=2, window=6, warmup=2, max_prefetch=2,
                             saturated=None, min_window_s=0.0)
-    loader = ResumableLoader(_SleepyDataset(48), batch_size=4, num_workers=config)
+    loader = ResumableLoader(_SleepyDataset(80), batch_size=4, num_workers=config)
     validation = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(2, 1)))
-    trainer = make_trainer(tmp_path, 1, val_check_interval=5, limit_val_batches=1)
+    trainer = make_trainer(tmp_path, 1, val_check_interval=7, limit_val_batches=1)
     trainer.fit(_SlowValidation(), loader, validation)
     tuning = loader.autotune
     assert tuning is not None
