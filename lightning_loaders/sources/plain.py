@@ -225,7 +225,7 @@ class PlainStream(ShardedSource[Any]):
         with _OPENING, seeded_global_rngs(_OPEN_TAG, self.seed, self._epoch):
             _seed_webdataset_shuffles(self.dataset, self.seed, self._epoch)
             stream = iter(self.dataset)
-            head = list(itertools.islice(stream, 1))
+            head = list(_taken(stream, 1))
         return _chained(head, stream)
 
     def set_epoch(self, epoch: int) -> None:
@@ -272,10 +272,30 @@ class PlainStream(ShardedSource[Any]):
         return f"{type(self.dataset).__name__}:{size}"
 
 
+def _taken(stream: Iterator[Any], count: int | None = None) -> Iterator[Any]:
+    """The next ``count`` samples of ``stream`` (all without ``count``) by ``next()`` alone:
+    ``iter()`` on a dataset that is its own iterator rewinds it, and ``yield from`` and
+    ``islice`` call it."""
+    taken = 0
+    while count is None or taken < count:
+        try:
+            sample = next(stream)
+        except StopIteration:
+            return
+        taken += 1
+        yield sample
+
+
 def _chained(head: list[Any], stream: Iterator[Any]) -> Iterator[Any]:
     """``head``, then ``stream``; closing it closes ``stream``."""
     yield from head
-    yield from stream
+    try:
+        yield from _taken(stream)
+    except GeneratorExit:
+        close = getattr(stream, "close", None)
+        if callable(close):
+            close()
+        raise
 
 
 def _feed(hasher: Any, value: Any) -> None:

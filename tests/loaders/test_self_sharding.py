@@ -75,6 +75,25 @@ class WorkerSplitRange(IterableDataset[dict[str, int]]):
         return len(self.ids)
 
 
+class SelfIterator(IterableDataset[dict[str, int]]):
+    """Its own iterator (``__next__``), which ``__iter__`` rewinds to this worker's first id:
+    every further ``iter()`` would start the stream again."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids, self.position, self.step = ids, 0, 1
+
+    def __iter__(self) -> SelfIterator:
+        info = get_worker_info()
+        self.position, self.step = (0, 1) if info is None else (info.id, info.num_workers)
+        return self
+
+    def __next__(self) -> dict[str, int]:
+        if self.position >= len(self.ids):
+            raise StopIteration
+        self.position += self.step
+        return {"id": self.ids[self.position - self.step]}
+
+
 class EnvRankSplit(IterableDataset[dict[str, int]]):
     """Splits its stream by the ``RANK``/``WORLD_SIZE`` environment (as WebDataset does)."""
 
@@ -136,6 +155,10 @@ def ddp_torch_doc_sized(data_dir: str) -> IterableDataset[Any]:
     return WorkerSplitRange(read_ids(data_dir), sized=True)
 
 
+def self_iterator(data_dir: str) -> IterableDataset[Any]:
+    return SelfIterator(read_ids(data_dir))
+
+
 def ddp_hf(data_dir: str) -> IterableDataset[Any]:
     return datasets.Dataset.from_dict({"id": read_ids(data_dir)}).to_iterable_dataset(
         num_shards=4)
@@ -177,7 +200,8 @@ def hf_shuffled(data_dir: str) -> IterableDataset[Any]:
 
 
 BUILDERS: dict[str, Callable[[str], IterableDataset[Any]]] = {
-    "torch-doc": ddp_torch_doc, "hf": ddp_hf, "hf-shuffled": hf_shuffled,
+    "torch-doc": ddp_torch_doc, "self-iterator": self_iterator, "hf": ddp_hf,
+    "hf-shuffled": hf_shuffled,
     "webdataset": ddp_webdataset, "webdataset-shuffled": webdataset_shuffled}
 
 
