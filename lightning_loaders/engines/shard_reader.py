@@ -53,6 +53,7 @@ class SlotReader:
         self._piece, self._offset, self._state = start.piece, start.offset, start.reader_state
         self._it: Iterator[Any] | None = None
         self._it_position = 0  # the shard position the open iterator yields next
+        self.head: int | None = None  # a plain stream's ``opened_head``, once opened here
         self._peeked: list[tuple[Any, tuple[int, int, Any]]] = []  # (sample, its position)
         self._failure: Exception | None = None  # raised reading ahead: the next take()'s
         self._emitted = start.window_emitted
@@ -176,6 +177,8 @@ class SlotReader:
             if self._it is None:
                 self._it = iter(self._source.open_shard(piece.shard, self._offset, self._state))
                 self._it_position, self._state = self._offset, None
+                if isinstance(self._source, PlainStream):
+                    self.head = self._source.opened_head
             want = n - len(out)
             if piece.stop is not None:
                 want = min(want, len(range(self._offset, piece.stop, piece.step)))
@@ -297,7 +300,8 @@ class SlotFetcher(Dataset[Any]):
                 data = self.collate_fn(samples)
         except Exception as exc:
             raise _fetch_error(request, reader, exc) from exc
-        return Delivered(request.slot, request.batch, data, cursor)
+        head, reader.head = reader.head, None
+        return Delivered(request.slot, request.batch, data, cursor, head)
 
     def set_epoch(self, epoch: int) -> None:
         """Forward the epoch to the source's ``set_epoch``, once per epoch in this process.

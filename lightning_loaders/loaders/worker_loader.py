@@ -40,7 +40,6 @@ from lightning_loaders.loaders.options import (
 )
 from lightning_loaders.loaders.tuned import TunedDelivery, autotuner_for
 from lightning_loaders.schedule.map_schedule import resolve_seed
-from lightning_loaders.sources.plain import PlainStream
 
 __all__ = ["WorkerLoader"]
 
@@ -383,12 +382,10 @@ def _shared_under_threads(worker_init_fn: Callable[[int], None] | None,
 
 def _shows_user_dataset(fetcher: Any) -> bool:
     """Whether ``get_worker_info().dataset`` shows the worker's copy of the user's dataset (a
-    map-style one, a ``ShardedSource``). A plain ``IterableDataset`` is read whole in every
-    worker and strided: a ``worker_init_fn`` that split it per worker there (torch's example)
-    would lose data in silence, so it keeps seeing the loader's fetcher, and fails loudly."""
-    if isinstance(fetcher, SlotFetcher):
-        return not isinstance(fetcher.source, PlainStream)
-    return isinstance(fetcher, BatchFetcher)
+    map-style one, a source, a plain ``IterableDataset``). A plain one is read whole in every
+    worker and strided, so a ``worker_init_fn`` that splits it per worker there (torch's
+    second example) is refused by the slots' first batches (``_check_head``)."""
+    return isinstance(fetcher, SlotFetcher | BatchFetcher)
 
 
 def _publish_user_dataset(torch_info: Any, dataset: Any) -> None:

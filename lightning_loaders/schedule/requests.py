@@ -98,6 +98,7 @@ class Delivered(NamedTuple):
     batch: int
     data: Any
     cursor: Cursor | None  # after this batch (unknown lengths only)
+    head: int | None = None  # a plain stream's first sample's digest, where the slot opened it
 
 
 class SlotEnd(NamedTuple):

@@ -65,6 +65,7 @@ class IterableSchedule(EpochOwner):
         self._start_batches = 0
         self._undo: deque[tuple[int, Cursor]] = deque(maxlen=8)
         self._stream_checked: int | None = None  # the epoch whose stream the ranks compared
+        self._head: tuple[int, int, int] | None = None  # epoch, slot, its plain stream's head
 
     @property
     def known(self) -> bool:
@@ -155,6 +156,8 @@ class IterableSchedule(EpochOwner):
                 self.exhausted.add(item.slot)
             return
         self.received_batches += 1
+        if item.head is not None:
+            self._check_head(item.slot, item.head)
         if item.cursor is not None:
             self._received_cursors[item.slot] = item.cursor
             if item.cursor.exhausted:
@@ -194,6 +197,29 @@ class IterableSchedule(EpochOwner):
                 "(e.g. random.Random() in __iter__). Pass the unsplit dataset "
                 "with a fixed seed, or a first-class source (lightning_loaders.sources: "
                 "HFSource, WebDatasetSource, ParquetSource)")
+
+    def _check_head(self, slot: int, head: int) -> None:
+        """Refuse a plain stream that begins otherwise in another slot: every slot reads the
+        one stream and keeps its share, so slots reading different streams lose and repeat
+        samples (a ``worker_init_fn`` that split the dataset per worker, torch's second
+        example, or a stream drawn from per-process randomness)."""
+        assert self.epoch is not None
+        if self._head is None or self._head[0] != self.epoch:
+            self._head = (self.epoch, slot, head)
+            return
+        first = self._head[1]
+        if self._head[2] != head:
+            raise ValueError(
+                f"the plain dataset's stream begins with another sample in worker slot {slot} "
+                f"than in slot {first} (epoch {self.epoch}): every worker reads the whole "
+                "stream and keeps its share, so each must see the same one, or samples would "
+                "be lost and repeated. A worker_init_fn that splits the dataset per worker "
+                "(torch's second get_worker_info() example) does this, and so does a stream "
+                "shuffled or augmented with a seed drawn in each process. Split the stream in "
+                "__iter__ with get_worker_info() instead (the loader reads it whole and shares "
+                "it out), leave per-worker set-up to what does not change the samples (an open "
+                "file, a connection), draw augmentations from lightning_loaders.sample_rng(), "
+                "or use a ShardedSource")
 
     def _dealt(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
         """This rank's batches of the current epoch's deal (canonical partitions)."""

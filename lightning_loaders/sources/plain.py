@@ -20,7 +20,7 @@ import hashlib
 import itertools
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -198,6 +198,9 @@ class PlainStream(ShardedSource[Any]):
         self.dataset = dataset
         self.seed = seed
         self._epoch = 0
+        self.opened_head: int | None = None
+        """The digest of the first sample of the stream this process opened last: every slot
+        must see one stream (``SlotFetcher`` sends it with a slot's first batch to compare)."""
 
     @property
     def shards(self) -> list[IterableDataset[Any]]:
@@ -226,6 +229,7 @@ class PlainStream(ShardedSource[Any]):
             _seed_webdataset_shuffles(self.dataset, self.seed, self._epoch)
             stream = iter(self.dataset)
             head = list(_taken(stream, 1))
+        self.opened_head = _digest(head)
         return _chained(head, stream)
 
     def set_epoch(self, epoch: int) -> None:
@@ -253,17 +257,14 @@ class PlainStream(ShardedSource[Any]):
         view), to compare between ranks. Only plain data (numbers, strings, bytes, arrays,
         tensors, and lists and dicts of them) counts; other objects count by type name, so
         the digest never differs by memory addresses or hash seeds."""
-        hasher = hashlib.blake2b(digest_size=8)
         with sole_reader():
             iterator = self._opened()
             try:
-                for sample in itertools.islice(iterator, _DIGEST_SAMPLES):
-                    _feed(hasher, sample)
+                return _digest(itertools.islice(iterator, _DIGEST_SAMPLES))
             finally:
                 close = getattr(iterator, "close", None)
                 if callable(close):
                     close()
-        return int.from_bytes(hasher.digest(), "little") >> 2
 
     @property
     def fingerprint(self) -> str:
@@ -296,6 +297,14 @@ def _chained(head: list[Any], stream: Iterator[Any]) -> Iterator[Any]:
         if callable(close):
             close()
         raise
+
+
+def _digest(samples: Iterable[Any]) -> int:
+    """A 62-bit digest of ``samples`` that is the same in every process (``_feed``)."""
+    hasher = hashlib.blake2b(digest_size=8)
+    for sample in samples:
+        _feed(hasher, sample)
+    return int.from_bytes(hasher.digest(), "little") >> 2
 
 
 def _feed(hasher: Any, value: Any) -> None:

@@ -598,3 +598,56 @@ def test_worker_init_fn_configures_the_workers_copy_of_a_source() -> None:
     seen = [item for item in loader]
     assert sorted(sample for _, sample in seen) == list(range(8))
     assert {connection for connection, _ in seen} == {"conn-0", "conn-1"}
+
+
+class _Range(IterableDataset[int]):
+    """torch's ``get_worker_info()`` examples' dataset: the ids from ``start`` to ``end``, each
+    with whether it was read through a ``connection`` (which a ``worker_init_fn`` may open)."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+        self.connection: str | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        return ((self.connection is not None, i) for i in range(self.start, self.end))
+
+
+def _split_range(worker_id: int) -> None:
+    """torch's second example: each worker narrows its copy to its part."""
+    info = get_worker_info()
+    dataset = info.dataset
+    per_worker = -(-(dataset.end - dataset.start) // info.num_workers)
+    dataset.start += info.id * per_worker
+    dataset.end = min(dataset.start + per_worker, dataset.end)
+
+
+def _split_range_through_worker_info(worker_id: Any) -> None:
+    dataset, per_worker = worker_id.dataset, -(-(worker_id.dataset.end) // worker_id.num_workers)
+    dataset.start, dataset.end = worker_id * per_worker, min((worker_id + 1) * per_worker, 10)
+
+
+def _open_range(worker_id: int) -> None:
+    get_worker_info().dataset.connection = f"conn-{worker_id}"
+
+
+@pytest.mark.parametrize(("init", "backend"), [(_split_range, "process"),
+                                                (_split_range_through_worker_info, "process"),
+                                                (_split_range_through_worker_info, "thread")])
+def test_a_plain_stream_split_in_worker_init_fn_is_refused_not_thinned(init, backend) -> None:
+    """Every worker reads a plain stream whole and keeps its share: split per worker first,
+    each would keep a share of its part, and half the samples would be lost in silence."""
+    loader = ResumableLoader(_Range(0, 10), batch_size=None, num_workers=2,
+                             worker_init_fn=init, backend=backend)
+    with pytest.raises(ValueError, match=r"begins with another sample in worker slot 1 than in "
+                                         r"slot 0 .*worker_init_fn that splits"):
+        list(loader)
+    loader.close()
+
+
+def test_worker_init_fn_opens_a_resource_on_the_workers_copy_of_a_plain_stream() -> None:
+    loader = ResumableLoader(_Range(0, 10), batch_size=None, num_workers=2,
+                             worker_init_fn=_open_range)
+    seen = list(loader)
+    assert sorted(i for _, i in seen) == list(range(10))
+    assert all(connected for connected, _ in seen)
+    loader.close()
