@@ -91,7 +91,8 @@ class _Pass:
     """The validation pass under way: it began at batch ``start`` (``(dataloader_idx,
     batch_idx)``) with the loaders in states ``origin``. ``current`` is the batch whose
     ``on_validation_batch_start`` we saw last, when ``mark`` batches of the pass had been handed
-    to steps before it; ``complete`` once ``on_validation_epoch_end`` has run."""
+    to steps before it; ``complete`` once ``on_validation_epoch_end`` has run (and until the
+    next pass starts: ``ModelCheckpoint`` saves in ``on_validation_end``, after ours)."""
 
     start: tuple[int, int]
     origin: list[Any]
@@ -359,10 +360,6 @@ class ExactResume(Callback):
         if self._pass is not None and _fitting(trainer):
             self._pass.complete = True
 
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if _fitting(trainer):
-            self._pass = None
-
     # -- where a pass stands ----------------------------------------------------------------
 
     def _rest_of_pass(self, trainer: L.Trainer, loaders: list[Any], between: list[Any] | None
@@ -370,10 +367,10 @@ class ExactResume(Callback):
         """The rest of the pass under way and the loader states to resume it from
         (``between``: the states to restore between passes)."""
         tracker = self._pass
-        if tracker is None:  # our on_validation_start has not run yet: all of it
-            return _Pending(), between
         val_loop = trainer.fit_loop.epoch_loop.val_loop
         handed, stepped, _ = _counts(val_loop)
+        if tracker is None or (tracker.complete and handed == 0):  # the last pass's: this one
+            return _Pending(), between  # began, but our on_validation_start has not run yet
         if tracker.complete or (val_loop.batch_progress.is_last_batch and 0 < handed == stepped):
             return None, between
         j, k = tracker.start if tracker.current is None else tracker.current

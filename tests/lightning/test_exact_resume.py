@@ -18,6 +18,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader
 
@@ -77,6 +78,7 @@ class SaveDuringValidation(L.Callback):
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:
             self.passes += 1
+            self._maybe_save(trainer, "on_validation_start", 0, 0)
 
     def _maybe_save(self, trainer: L.Trainer, hook: str, batch_idx: int,
                     dataloader_idx: int) -> None:
@@ -441,6 +443,31 @@ def test_a_checkpoint_inside_validation_resumes_with_the_rest_of_the_pass(
     assert saved[-1][0] == "val", "the checkpoint was written inside a validation pass"
     assert fit(loaders, tmp_path, ckpt_path=path, **options) == full
     assert fit(loaders, tmp_path, ckpt_path=path, exact=False, **options) != full
+
+
+def test_checkpoints_written_at_each_validations_end_resume_after_it(tmp_path: Path) -> None:
+    """``ModelCheckpoint``'s default schedule saves in ``on_validation_end``, which Lightning
+    calls after ours: the pass is over there, and must not run again on resume."""
+    directory = tmp_path / "checkpoints"
+    saver = ModelCheckpoint(dirpath=directory, filename="{step}", save_top_k=-1)
+    full = fit(resumable(), tmp_path, [saver], val_check_interval=0.5)
+    paths = sorted(directory.glob("*.ckpt"))
+    assert len(paths) == 4  # two passes in each of two epochs
+    for path in paths:
+        assert torch.load(path, weights_only=False)["events"][-1][0] == "val"
+        assert fit(resumable(), tmp_path, ckpt_path=path, val_check_interval=0.5) == full, path
+
+
+def test_a_checkpoint_before_our_on_validation_start_resumes_with_the_whole_pass(
+        tmp_path: Path) -> None:
+    """Written by a callback listed first, as the second pass starts: the first pass is
+    over, but this one is still to run."""
+    path = tmp_path / "starting.ckpt"
+    model = EventModule()
+    make_trainer(tmp_path, 2, [SaveDuringValidation(path, 1, 0, hook="on_validation_start"),
+                               ExactResume()], **HALF).fit(model, *resumable()())
+    assert torch.load(path, weights_only=False)["events"][-1][0] == "train"
+    assert fit(resumable(), tmp_path, ckpt_path=path, **HALF) == model.events
 
 
 def test_a_checkpoint_inside_the_rest_of_a_resumed_pass(tmp_path: Path) -> None:
