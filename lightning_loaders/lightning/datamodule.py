@@ -163,7 +163,10 @@ def convert_passed_loaders(trainer: L.Trainer) -> None:
     """Make the plain ``DataLoader``s passed straight to ``trainer.fit`` resumable, as
     ``ResumableDataModule`` makes its hooks' loaders: Lightning would give them its
     ``DistributedSampler``, whose epoch restarts on resume. Loaders that come from hooks (a
-    module's or a datamodule's) are left to them."""
+    module's or a datamodule's) are left to them, and so are all under ``overfit_batches``,
+    where Lightning rebuilds a shuffled ``DataLoader`` unshuffled (it cannot rebuild ours)."""
+    if trainer.overfit_batches > 0:
+        return
     fit_loop = trainer.fit_loop
     for source, stage in ((fit_loop._data_source, "train"),
                           (fit_loop.epoch_loop.val_loop._data_source, "validate")):

@@ -26,6 +26,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, Self
 
+from torch.utils.data import SequentialSampler
+
 from lightning_loaders.loaders.prefetch import batches_held, find_prefetcher, fit_epoch
 from lightning_loaders.state import PARTS
 
@@ -279,3 +281,9 @@ class SizedEpochSampler(EpochSampler):
 
     def __len__(self) -> int:
         return int(self._target.samples_per_epoch())
+
+
+class SequentialEpochSampler(SizedEpochSampler, SequentialSampler):  # type: ignore[misc]
+    """A ``SizedEpochSampler`` of an unshuffled order, which Lightning's ``overfit_batches``
+    then takes as it is: it rebuilds a loader whose sampler is no ``SequentialSampler`` as a
+    ``DataLoader`` with one, which it cannot do for ours (its ``__iter__`` is not used)."""

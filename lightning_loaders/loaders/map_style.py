@@ -32,7 +32,7 @@ from lightning_loaders.engines.faults import Failed, Skipped, SkippedSample
 from lightning_loaders.engines.fetch import BatchFetcher, Numbered, Unbatched
 from lightning_loaders.engines.pool import InProcess, WorkerLost, WorkerStalled
 from lightning_loaders.errors import StateMismatchError
-from lightning_loaders.loaders.delivery import SizedEpochSampler
+from lightning_loaders.loaders.delivery import SequentialEpochSampler, SizedEpochSampler
 from lightning_loaders.loaders.options import unbatched_conversion
 from lightning_loaders.loaders.out_of_order import (
     WINDOW,
@@ -122,7 +122,8 @@ class MapStyleLoader(ResumableLoader):
                                     merge_short_tail=options.evaluation)
         _check_plan(self.schedule)
         self._follow_mix()
-        self.sampler = SizedEpochSampler(self.schedule)
+        self.sampler = (SequentialEpochSampler if isinstance(order, SequentialOrder)
+                        else SizedEpochSampler)(self.schedule)
         self._unbatched: Unbatched = unbatched
         self._batch_fetcher: BatchFetcher | None = None
         self._window = DeliveredWindow()

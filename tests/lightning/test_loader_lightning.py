@@ -8,8 +8,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import CombinedLoader
+from torch.utils.data import DataLoader
 
-from lightning_loaders import GeneratorSource, ResumableLoader
+from lightning_loaders import ExactResume, GeneratorSource, ResumableLoader
 from tests.conftest import IndexDataset
 from tests.lightning_harness import (
     RecordingModule,
@@ -100,6 +101,18 @@ def test_limit_train_batches_leaves_no_stale_tail(tmp_path: Path) -> None:
         resumed = fit_recording(make, tmp_path, 3, ckpt_path=checkpoint_at(directory, step),
                                 limit_train_batches=4)
         assert resumed == full[step:]
+
+
+def test_overfit_batches_reads_the_same_first_batches_every_epoch(tmp_path: Path) -> None:
+    """Lightning rebuilds a loader whose sampler is no ``SequentialSampler`` (it cannot rebuild
+    ours); an unshuffled one is read as it is, and a plain shuffled ``DataLoader`` passed with
+    ``ExactResume`` is left to Lightning, which turns its shuffling off."""
+    unshuffled = fit_recording(lambda: ResumableLoader(IndexDataset(12), batch_size=2), tmp_path,
+                               3, overfit_batches=2)
+    assert unshuffled == [(epoch, i, [2 * i, 2 * i + 1]) for epoch in range(3) for i in range(2)]
+    plain = fit_recording(lambda: DataLoader(IndexDataset(12), batch_size=2, shuffle=True),
+                          tmp_path, 3, [ExactResume()], overfit_batches=2)
+    assert plain == unshuffled
 
 
 def test_checkpoint_at_the_last_batch_of_an_epoch_skips_no_epoch(tmp_path: Path) -> None:
