@@ -165,7 +165,7 @@ def convert_passed_loaders(trainer: L.Trainer) -> None:
     ``DistributedSampler``, whose epoch restarts on resume. Loaders that come from hooks (a
     module's or a datamodule's) are left to them, and so are all under ``overfit_batches``,
     where Lightning rebuilds a shuffled ``DataLoader`` unshuffled (it cannot rebuild ours)."""
-    if trainer.overfit_batches > 0:
+    if getattr(trainer, "overfit_batches", 0) > 0:  # set by the Trainer, not declared
         return
     fit_loop = trainer.fit_loop
     for source, stage in ((fit_loop._data_source, "train"),

@@ -283,7 +283,7 @@ class SizedEpochSampler(EpochSampler):
         return int(self._target.samples_per_epoch())
 
 
-class SequentialEpochSampler(SizedEpochSampler, SequentialSampler):  # type: ignore[misc]
+class SequentialEpochSampler(SizedEpochSampler, SequentialSampler):
     """A ``SizedEpochSampler`` of an unshuffled order, which Lightning's ``overfit_batches``
     then takes as it is: it rebuilds a loader whose sampler is no ``SequentialSampler`` as a
     ``DataLoader`` with one, which it cannot do for ours (its ``__iter__`` is not used)."""
