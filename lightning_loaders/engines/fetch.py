@@ -380,17 +380,23 @@ class _SubsetGather:
 
 def _split(batch: Any, sizes: list[int]) -> list[Any]:
     """A gathered block cut back into batches of ``sizes`` rows, each a tensor of its own over
-    the block's memory (no copy). Not views: views of one block share its autograd version
-    counter, so an in-place op on a batch (``x.sub_(mean)``) would fail the backward of an
-    earlier batch still in a graph (gradient accumulation), and ``split``'s views refuse an
-    in-place op with an operand that requires grad."""
+    its own part of the block's memory (a storage slice: no copy). Not views: views of one
+    block share its autograd version counter, so an in-place op on a batch (``x.sub_(mean)``)
+    would fail the backward of an earlier batch still in a graph (gradient accumulation), and
+    ``split``'s views refuse an in-place op with an operand that requires grad. Not the whole
+    block's storage either: a batch grown by ``resize_`` would take over the next one's rows
+    (a slice cannot be resized, as the shared memory of a worker's batch cannot)."""
     if isinstance(batch, torch.Tensor):
-        storage, stride = batch.untyped_storage(), batch.stride()
-        offsets = accumulate(sizes[:-1], initial=0)
-        return [torch.empty(0, dtype=batch.dtype, device=batch.device).set_(
-                    storage, batch.storage_offset() + offset * stride[0],
-                    (size, *batch.shape[1:]), stride)
-                for offset, size in zip(offsets, sizes, strict=True)]
+        storage, stride, item = batch.untyped_storage(), batch.stride(), batch.element_size()
+        parts = []
+        for offset, size in zip(accumulate(sizes[:-1], initial=0), sizes, strict=True):
+            shape = (size, *batch.shape[1:])
+            extent = 1 + sum((n - 1) * step for n, step in zip(shape, stride, strict=True))
+            start = (batch.storage_offset() + offset * stride[0]) * item
+            part = storage[start:start + (extent if all(shape) else 0) * item]
+            parts.append(torch.empty(0, dtype=batch.dtype, device=batch.device).set_(
+                part, 0, shape, stride))
+        return parts
     if isinstance(batch, dict):
         keys = list(batch)
         return [dict(zip(keys, parts, strict=True))

@@ -120,9 +120,11 @@ def test_a_gathered_batch_keeps_at_most_its_block_alive(monkeypatch) -> None:
     monkeypatch.setattr("lightning_loaders.engines.fetch._GATHER_BLOCK_BYTES", 4 * 64 * 4)
     fetcher = BatchFetcher(rows, None, seed=0)
     batches = list(fetcher.gathered(iter(_requests([4] * 16))))
-    storages = {b.untyped_storage().data_ptr() for b in batches}
-    assert len(storages) == 4, "16 batches of 256 bytes in blocks of 1 KiB"
-    assert all(b.untyped_storage().nbytes() == 1024 for b in batches)
+    starts = [b.data_ptr() for b in batches]
+    following = [i for i in range(15) if starts[i + 1] == starts[i] + 256]
+    assert following == [i for i in range(15) if i % 4 != 3], (
+        "16 batches of 256 bytes, one after the other in blocks of 1 KiB")
+    assert all(b.untyped_storage().nbytes() == 256 for b in batches), "each its own part"
     assert all(b.is_contiguous() for b in batches)
 
 
@@ -132,7 +134,7 @@ def test_gathered_batches_of_one_block_are_independent_tensors() -> None:
     requires grad (``split``'s views of one block shared a counter, and refused that)."""
     fetcher = BatchFetcher(torch.arange(64.0).reshape(16, 4), None, seed=0)
     first, second, *_ = fetcher.gathered(iter(_requests([4] * 4)))
-    assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+    assert second.data_ptr() == first.data_ptr() + first.nbytes, "one block, no copy"
     assert not first._is_view() and first._base is None
     version = first._version
     second.sub_(1.0)
@@ -140,6 +142,19 @@ def test_gathered_batches_of_one_block_are_independent_tensors() -> None:
     weight = torch.tensor(2.0, requires_grad=True)
     second.mul_(weight)
     assert second.requires_grad and not first.requires_grad
+
+
+def test_a_gathered_batch_cannot_grow_into_the_next_one() -> None:
+    """``resize_`` of a batch over the whole block's storage fit in that storage, so the batch
+    took over the next batch's rows, and writing it changed that batch in silence. A batch's
+    storage is its own part of the block: it cannot be resized, as a worker's batch in shared
+    memory cannot."""
+    fetcher = BatchFetcher(torch.arange(16.0).reshape(8, 2), None, seed=0)
+    first, second, *_ = fetcher.gathered(iter(_requests([2] * 4)))
+    before = second.clone()
+    with pytest.raises(RuntimeError, match="not resizable"):
+        first.resize_(4, 2)
+    assert torch.equal(second, before)
 
 
 def test_in_place_normalising_with_gradient_accumulation_works_as_with_dataloader() -> None:
