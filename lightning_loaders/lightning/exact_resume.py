@@ -494,15 +494,17 @@ def _loaded_at(trainer: L.Trainer) -> int | None:
 def _rebuilt_since(trainer: L.Trainer, loaded_at: int | None) -> bool:
     """Whether the uninterrupted run, whose validation loaders were built in epoch
     ``loaded_at``, built them anew for the pass starting now (``reload_dataloaders_every_n_
-    epochs``, by Lightning's rule). If it did not, this also puts Lightning's record of that
-    build back, so the next rebuild comes where that run's came (the resumed run built its
-    loaders in its own first epoch)."""
+    epochs``, by Lightning's rule, from a module's or datamodule's hook: loaders passed to
+    ``fit`` are the same objects at every reload, and go on). If it did not, this also puts
+    Lightning's record of that build back, so the next rebuild comes where that run's came
+    (the resumed run built its loaders in its own first epoch)."""
     every = getattr(trainer, "reload_dataloaders_every_n_epochs", 0)  # set by its data connector
     if not every or loaded_at is None:
         return False
-    if trainer.current_epoch - loaded_at >= every:
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    if trainer.current_epoch - loaded_at >= every and val_loop._data_source.is_module():
         return True
-    trainer.fit_loop.epoch_loop.val_loop._last_val_dl_reload_epoch = loaded_at
+    val_loop._last_val_dl_reload_epoch = loaded_at
     return False
 
 

@@ -555,6 +555,17 @@ def test_with_resumable_data_module(tmp_path: Path, max_epochs: int,
             ] == []
 
 
+def test_loaders_passed_to_fit_go_on_through_reloads(tmp_path: Path) -> None:
+    """``reload_dataloaders_every_n_epochs`` asks for loaders passed to ``fit`` again and gets
+    the same objects: a shuffled validation loader goes on with its next epoch, and a resumed
+    run must not start it afresh as it would a hook's new loader."""
+    full, steps, exact_steps = resume_from_every_step(
+        resumable(shuffle_val=True), tmp_path, val_check_interval=0.5,
+        reload_dataloaders_every_n_epochs=1)
+    assert validation_passes(full) == [3, 6, 9, 12]
+    assert exact_steps == steps == list(range(1, STEPS + 1))
+
+
 def test_it_adds_no_warnings_or_log_records(tmp_path: Path,
                                             caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "inside.ckpt"
