@@ -44,6 +44,7 @@ _SOURCES_HINT = ("or use a first-class source (lightning_loaders.sources: HFSour
                  "WebDatasetSource, ParquetSource), which knows its shards and can seek")
 _PIPELINE_DEPTH = 4
 _DIGEST_SAMPLES = 8
+_END = object()  # what no stream yields: ``_taken``'s sentinel
 _OPEN_TAG = 0x0BE5  # keys the RNGs a plain stream is opened with
 _SHUFFLE_TAG = 0x5EED  # keys the seeds of a WebDataset's own shuffles
 _OPENING = threading.Lock()  # one slot at a time seeds the global RNGs and the shuffles
@@ -228,7 +229,7 @@ class PlainStream(ShardedSource[Any]):
         with _OPENING, seeded_global_rngs(_OPEN_TAG, self.seed, self._epoch):
             _seed_webdataset_shuffles(self.dataset, self.seed, self._epoch)
             stream = iter(self.dataset)
-            head = list(_taken(stream, 1))
+            head = list(itertools.islice(_taken(stream), 1))
         self.opened_head = _digest(head)
         return _chained(head, stream)
 
@@ -273,18 +274,10 @@ class PlainStream(ShardedSource[Any]):
         return f"{type(self.dataset).__name__}:{size}"
 
 
-def _taken(stream: Iterator[Any], count: int | None = None) -> Iterator[Any]:
-    """The next ``count`` samples of ``stream`` (all without ``count``) by ``next()`` alone:
-    ``iter()`` on a dataset that is its own iterator rewinds it, and ``yield from`` and
-    ``islice`` call it."""
-    taken = 0
-    while count is None or taken < count:
-        try:
-            sample = next(stream)
-        except StopIteration:
-            return
-        taken += 1
-        yield sample
+def _taken(stream: Iterator[Any]) -> Iterator[Any]:
+    """The rest of ``stream`` by ``next()`` alone (at C speed): ``iter()`` on a dataset that
+    is its own iterator rewinds it, and ``yield from`` and ``islice`` call it."""
+    return iter(stream.__next__, _END)
 
 
 def _chained(head: list[Any], stream: Iterator[Any]) -> Iterator[Any]:
