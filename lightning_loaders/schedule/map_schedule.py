@@ -154,7 +154,7 @@ class MapSchedule(EpochOwner):
         if state.world_size == world_size or self._recounted is state:
             return
         full_epoch = self.plan_for(state.epoch, world_size).num_batches
-        if state.batches + self.remaining > full_epoch:
+        if self.remaining and state.batches + self.remaining > full_epoch:
             warnings.warn(
                 f"elastic resume from world size {state.world_size} to {world_size} after "
                 f"{state.batches} batches leaves {self.remaining} batches in this epoch, "

@@ -18,7 +18,9 @@ one sample per rank to it, as the map-style plan does), padded from the start of
 partitions (``"pad"``) or dropped (``"drop"``), so every rank has the same number of batches.
 
 A resumed epoch deals the items left from the cursor's item (``first``) to the new layout, so
-nothing is repeated or lost; only the split of that last round depends on the layout.
+nothing is repeated or lost; only the split of that last round depends on the layout. A cursor
+inside the rounds that ``"keep"`` cut anew (after a borrowing round) stands ``skip`` samples
+into its item, whose rest is dealt as a short item.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from lightning_loaders.schedule.map_plan import keep_fix
 from lightning_loaders.schedule.shard_plan import Piece, PlanConfig, epoch_pieces, split
 
-__all__ = ["Partitions", "Segment", "deal", "partition_epoch", "uses_partitions"]
+__all__ = ["Partitions", "Segment", "advanced", "deal", "partition_epoch", "uses_partitions"]
 
 Segment = tuple[int, int, int]  # (partition, first sample in its windowed stream, count)
 
@@ -78,10 +80,16 @@ def partition_epoch(config: PlanConfig, epoch: int, partitions: int) -> Partitio
 
 @functools.lru_cache(maxsize=16)
 def deal(config: PlanConfig, epoch: int, partitions: int, world_size: int,
-         first: int = 0) -> tuple[tuple[tuple[Segment, ...], ...], ...]:
+         first: int = 0, skip: int = 0) -> tuple[tuple[tuple[Segment, ...], ...], ...]:
     """Every rank's batches (``[rank][batch]``: the segments of a batch) of the items from
-    item ``first`` on; equal batch counts on every rank."""
+    item ``first`` on, less the first ``skip`` samples of that item (a cursor inside the
+    last rounds of ``"keep"``, which cut items anew); equal batch counts on every rank."""
     plan = partition_epoch(config, epoch, partitions)
+
+    def item(g: int) -> Segment:
+        partition, start, count = plan.item(g)
+        return (partition, start + skip, count - skip) if g == first else (partition, start,
+                                                                             count)
     size, policy = config.batch_size, config.last_batch
     if policy == "drop" and first == 0 and plan.items < world_size:
         raise ValueError(
@@ -90,15 +98,15 @@ def deal(config: PlanConfig, epoch: int, partitions: int, world_size: int,
             "a smaller batch_size or last_batch='keep'/'pad'")
     left = max(0, plan.items - first)
     rounds, extra = divmod(left, world_size)
-    last = plan.item(plan.items - 1) if plan.items else (0, 0, size)
+    last = item(plan.items - 1) if plan.items else (0, 0, size)
     if policy == "pad" and extra == 0 and rounds and last[2] < size:
         rounds, extra = rounds - 1, world_size  # pad the short last item's round
     ranks: list[list[tuple[Segment, ...]]] = [
-        [(plan.item(first + t * world_size + r),) for t in range(rounds)]
+        [(item(first + t * world_size + r),) for t in range(rounds)]
         for r in range(world_size)]
     if not extra or policy == "drop":
         return tuple(tuple(batches) for batches in ranks)
-    tail = [plan.item(g) for g in range(first + rounds * world_size, plan.items)]
+    tail = [item(g) for g in range(first + rounds * world_size, plan.items)]
     samples = sum(segment[2] for segment in tail)
     if policy == "pad":
         tail += _padding(plan, world_size * size - samples)
@@ -122,6 +130,18 @@ def deal(config: PlanConfig, epoch: int, partitions: int, world_size: int,
     for r, batch in enumerate(_cut(tail, sizes)):
         ranks[r % world_size].append(batch)
     return tuple(tuple(batches) for batches in ranks)
+
+
+def advanced(config: PlanConfig, epoch: int, partitions: int, first: int, skip: int,
+             samples: int) -> tuple[int, int]:
+    """``(first, skip)`` of the cursor ``samples`` further on in the item order (past the end:
+    ``(items, 0)``)."""
+    plan = partition_epoch(config, epoch, partitions)
+    skip += samples
+    while first < plan.items and skip >= plan.item(first)[2]:
+        skip -= plan.item(first)[2]
+        first += 1
+    return first, skip if first < plan.items else 0
 
 
 def _padding(plan: Partitions, count: int) -> list[Segment]:

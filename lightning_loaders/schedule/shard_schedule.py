@@ -13,7 +13,7 @@ import torch.distributed as dist
 from lightning_loaders.collectives import agree_same, gather_by_rank
 from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.schedule.epochs import EpochOwner
-from lightning_loaders.schedule.partition_plan import deal, uses_partitions
+from lightning_loaders.schedule.partition_plan import advanced, deal, uses_partitions
 from lightning_loaders.schedule.requests import (
     SKIP,
     Cursor,
@@ -50,7 +50,7 @@ class IterableSchedule(EpochOwner):
         self.config, self.slots, self.window = config, slots, window
         self.requested_partitions = partitions
         self.partitions: int | None = None  # fixed at the first epoch, or by a loaded state
-        self.base = (0, 0)  # (first item, first batch) of the current epoch's deal
+        self.base = (0, 0, 0)  # (first item, first batch, skip) of the current epoch's deal
         self.first_request = 0  # the batch the current generation begins with
         self._fingerprint = fingerprint
         super().__init__(rank, world_size)
@@ -111,7 +111,7 @@ class IterableSchedule(EpochOwner):
     def _start_epoch(self, epoch: int, rank: int, world_size: int) -> None:
         if self.canonical:
             self.partitions = self._partition_count()
-            self.base = (0, 0)
+            self.base = (0, 0, 0)
         layout = self._layout(epoch)
         self._begin(epoch, 0, _first_cursors(layout, rank), layout)
 
@@ -225,7 +225,8 @@ class IterableSchedule(EpochOwner):
         """This rank's batches of the current epoch's deal (canonical partitions)."""
         assert self.epoch is not None and self.partitions is not None
         rank, world_size = self.placement
-        return deal(self.config, self.epoch, self.partitions, world_size, self.base[0])[rank]
+        first, _, skip = self.base
+        return deal(self.config, self.epoch, self.partitions, world_size, first, skip)[rank]
 
     def _layout(self, epoch: int) -> Layout:
         if self.canonical:
@@ -256,7 +257,7 @@ class IterableSchedule(EpochOwner):
         workers, ended = slots[_PER_RANK], bool(slots.get(_ENDED, False))
         self._owner = state.trainer_epoch
         if self.canonical:
-            self._resume_partitions(slots, state.world_size, state.batches)
+            self._resume_partitions(slots, state.epoch, state.world_size, state.batches)
         if ended:
             self.epoch, self.batches, self.ended = state.epoch, state.batches, True
             return
@@ -280,16 +281,18 @@ class IterableSchedule(EpochOwner):
             cursors = _saved_cursors(slots, rank, self.slots)
         self._begin(state.epoch, state.batches, cursors, layout)
 
-    def _resume_partitions(self, slots: Mapping[str, Any], saved_world: int,
+    def _resume_partitions(self, slots: Mapping[str, Any], epoch: int, saved_world: int,
                            batches: int) -> None:
         """Take the saved partition count and rebase the deal at the cursor's item, so the
         rest of the epoch is dealt to the current layout."""
-        self.partitions, self.base = self._rebased(slots, saved_world, batches)
+        self.partitions, self.base = self._rebased(slots, epoch, saved_world, batches)
 
-    def _rebased(self, slots: Mapping[str, Any], saved_world: int, batches: int
-                 ) -> tuple[int, tuple[int, int]]:
-        """The saved partition count and the deal's ``(first item, first batch)`` that
-        continue a canonical state after ``batches`` on ``saved_world`` ranks."""
+    def _rebased(self, slots: Mapping[str, Any], epoch: int, saved_world: int, batches: int
+                 ) -> tuple[int, tuple[int, int, int]]:
+        """The saved partition count and the deal's ``(first item, first batch, skip)`` that
+        continue a canonical state after ``batches`` on ``saved_world`` ranks: past the
+        samples the saved deal's rounds since its base delivered (whole items, but for the
+        rounds ``"keep"`` cuts anew at an epoch's end)."""
         saved = slots.get(_PARTITIONS)
         if saved is None:
             if batches:
@@ -306,17 +309,24 @@ class IterableSchedule(EpochOwner):
                 f"partitions={self.requested_partitions} differs from the {saved} canonical "
                 "partitions the state was saved with: the epoch order depends on them. Pass "
                 f"partitions={saved} (or leave it unset to take the saved number)")
-        first, batch = slots.get(_BASE, (0, 0))
-        return saved, ((first + (batches - batch) * saved_world, batches) if batches
-                       else (0, 0))
+        if not batches:
+            return saved, (0, 0, 0)
+        first, batch, skip = _base(slots)
+        dealt = deal(self.config, epoch, saved, saved_world, first, skip)
+        samples = sum(segment[2] for batches_of_rank in dealt
+                      for segment_batch in batches_of_rank[:batches - batch]
+                      for segment in segment_batch)
+        first, skip = advanced(self.config, epoch, saved, first, skip, samples)
+        return saved, (first, batches, skip)
 
     def _rest_of(self, state: LoaderState, rank: int, world_size: int) -> int | None:
         slots = state.parts[SLOTS]
         if slots.get(_ENDED, False):
             return 0
         if self.canonical:
-            partitions, (first, _) = self._rebased(slots, state.world_size, state.batches)
-            return len(deal(self.config, state.epoch, partitions, world_size, first)[rank])
+            partitions, (first, _, skip) = self._rebased(slots, state.epoch, state.world_size,
+                                                         state.batches)
+            return len(deal(self.config, state.epoch, partitions, world_size, first, skip)[rank])
         if not self.known or (state.batches and state.world_size != world_size):
             return None
         layout = plan_epoch(self.config, state.epoch, world_size, self.slots)
@@ -331,11 +341,11 @@ class IterableSchedule(EpochOwner):
         slots = state.parts.get(SLOTS)
         if not isinstance(slots, Mapping):
             raise StateMismatchError(f"corrupted loader state: parts[{SLOTS!r}] is {slots!r}")
-        partitions, _ = self._rebased(slots, state.world_size, state.batches)
+        partitions, _ = self._rebased(slots, state.epoch, state.world_size, state.batches)
         try:
-            first, batch = slots.get(_BASE, (0, 0))
-            dealt = deal(self.config, state.epoch, partitions, state.world_size, int(first))
-            return int(batch) + len(dealt[rank])
+            first, batch, skip = _base(slots)
+            dealt = deal(self.config, state.epoch, partitions, state.world_size, first, skip)
+            return batch + len(dealt[rank])
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise StateMismatchError(f"corrupted loader state: {exc!r}") from exc
 
@@ -385,8 +395,8 @@ class IterableSchedule(EpochOwner):
         slots: dict[str, Any] = {_PER_RANK: self.slots, _ENDED: False}
         if self.canonical and self.partitions is not None:
             slots[_PARTITIONS] = self.partitions
-            if self.base != (0, 0):
-                slots[_BASE] = list(self.base)
+            if self.base != (0, 0, 0):
+                slots[_BASE] = list(self.base if self.base[2] else self.base[:2])
         if self.epoch is None:
             return LoaderState(KIND, self._trainer_epoch or 0, 0, world_size,
                                trainer_epoch=self._trainer_epoch,
@@ -418,6 +428,12 @@ class IterableSchedule(EpochOwner):
                 "corrupted loader state: a mid-epoch state of a dataset of unknown length "
                 f"needs parts[{SLOTS!r}][{_POSITIONS!r}] (the slots' positions)")
         self._pending = state
+
+
+def _base(slots: Mapping[str, Any]) -> tuple[int, int, int]:
+    """A saved deal's ``(first item, first batch, skip)`` (``skip`` is absent where 0)."""
+    first, batch, *rest = slots.get(_BASE, (0, 0))
+    return int(first), int(batch), int(rest[0]) if rest else 0
 
 
 def _first_cursors(layout: Layout, rank: int) -> list[Cursor]:

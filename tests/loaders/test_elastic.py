@@ -57,8 +57,9 @@ def source_factory(request, tmp_path_factory):
 
 
 def _make(source_factory, rank: int, world: int, workers: int, **options):
-    return ResumableLoader(source_factory(), batch_size=3, shuffle=True, seed=5,
-                           num_workers=workers, rank=rank, world_size=world, **options)
+    options = {"batch_size": 3, **options}
+    return ResumableLoader(source_factory(), shuffle=True, seed=5, num_workers=workers,
+                           rank=rank, world_size=world, **options)
 
 
 def _states_after(source_factory, world: int, workers: int, epoch: int, steps: int,
@@ -120,6 +121,40 @@ def test_a_resume_on_more_ranks_borrows_from_the_last_full_round(source_factory,
             continue
         (rest,) = _rest(source_factory, states[0], world, 0, epochs=1, partitions=12)
         assert sorted(seen + rest) == list(range(TOTAL)), steps
+
+
+def test_a_cursor_after_a_borrowing_round_resumes_on_any_layout(source_factory) -> None:
+    """68 samples in batches of 11 on 3 ranks: 6 full items and one of 2, fewer than the
+    ranks, so the last full round is cut anew with it (batches of 11, 11, 10, then 1 each).
+    A cursor after that round stands inside an item: the same layout goes on with its own
+    batches, others with exactly the rest, and a layout with more ranks than samples left
+    is refused with the true count."""
+    def loader(rank: int, world: int) -> Any:
+        return ResumableLoader(source_factory(), batch_size=11, shuffle=True, seed=5,
+                               rank=rank, world_size=world, partitions=6)
+
+    def epoch(world: int, state: dict[str, Any] | None = None) -> list[list[list[int]]]:
+        ranks = []
+        for rank in range(world):
+            resumed = loader(rank, world)
+            if state is not None:
+                resumed.load_state_dict(state)
+            ranks.append([_ids(batch) for batch in resumed])
+            resumed.close()
+        return ranks
+
+    full = epoch(3)
+    assert [[len(b) for b in batches] for batches in full] == [[11, 11, 1], [11, 11, 1],
+                                                                [11, 10, 1]]
+    for steps in (1, 2):
+        states, seen = _states_after(source_factory, 3, 0, 0, steps, batch_size=11,
+                                     partitions=6)
+        assert epoch(3, states[0]) == [batches[steps:] for batches in full]
+        for world in (1, 2, 3):
+            rest = [i for batches in epoch(world, states[0]) for b in batches for i in b]
+            assert sorted(seen + rest) == list(range(TOTAL)), (steps, world)
+    with pytest.raises(ValueError, match="from the 3 samples left.*resume on at most 3 ranks"):
+        epoch(4, states[0])
 
 
 def test_a_resumed_resume_under_a_third_layout_is_exact(source_factory) -> None:

@@ -121,6 +121,20 @@ def test_elastic_resume_delivers_the_rest_of_the_epoch_exactly_once(old_world, n
     assert sorted(consumed + remaining) == list(range(n))
 
 
+def test_an_elastic_resume_at_the_epochs_end_warns_of_nothing() -> None:
+    """Nothing is left to deliver, so nothing goes past the new layout's len()."""
+    loader = ResumableLoader(IndexDataset(23), batch_size=4, rank=0, world_size=2)
+    set_epoch(loader, 0)  # as Lightning does
+    assert len(list(loader)) == 3
+    state = loader.state_dict()
+    resumed = ResumableLoader(IndexDataset(23), batch_size=4, rank=0, world_size=3)
+    resumed.load_state_dict(state)
+    set_epoch(resumed, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert list(resumed) == []
+
+
 def test_iter_alone_starts_nothing_and_advances_nothing() -> None:
     loader = ResumableLoader(IndexDataset(10), batch_size=5, shuffle=True, num_workers=2)
     for _ in range(3):
