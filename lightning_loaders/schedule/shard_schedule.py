@@ -270,8 +270,13 @@ class IterableSchedule(EpochOwner):
                 f"slots per rank={self.slots} (num_workers, or 1 for num_workers=0). Each "
                 "(rank, worker) reads its own part of the shards, so the rest of the epoch would "
                 "repeat or skip data. Resume with the saved configuration, or from a checkpoint "
-                "taken at an epoch end. Only known shard lengths without last_batch='rollover' "
-                "plan over canonical partitions, which resume under any layout")
+                "taken at an epoch end. " + (
+                    "A plain IterableDataset is read whole by every slot (the strided fallback), "
+                    "with or without len(): wrap its data in a ShardedSource with known "
+                    "shard_lengths to plan over canonical partitions, which resume under any "
+                    "layout" if self.config.strided else
+                    "Only known shard lengths without last_batch='rollover' plan over canonical "
+                    "partitions, which resume under any layout"))
         layout = self._layout(state.epoch)
         if not state.batches or self.canonical:
             cursors = _first_cursors(layout, rank)
