@@ -86,10 +86,10 @@ def deal(config: PlanConfig, epoch: int, partitions: int, world_size: int,
     last rounds of ``"keep"``, which cut items anew); equal batch counts on every rank."""
     plan = partition_epoch(config, epoch, partitions)
 
-    def item(g: int) -> Segment:
-        partition, start, count = plan.item(g)
-        return (partition, start + skip, count - skip) if g == first else (partition, start,
-                                                                             count)
+    def item(g: int) -> Segment:  # item ``first`` starts ``skip`` samples in
+        segment = plan.item(g)
+        return (segment[0], segment[1] + skip, segment[2] - skip) if g == first else segment
+
     size, policy = config.batch_size, config.last_batch
     if policy == "drop" and first == 0 and plan.items < world_size:
         raise ValueError(
