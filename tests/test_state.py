@@ -6,7 +6,7 @@ import torch
 
 from lightning_loaders import GeneratorSource, ResumableLoader
 from lightning_loaders.errors import LoaderError, StateMismatchError
-from lightning_loaders.state import STATE_VERSION, LoaderState, abandoned
+from lightning_loaders.state import STATE_VERSION, LoaderState, Stateful, abandoned, is_stateful
 from tests.conftest import IndexDataset
 
 FP = {"dataset_len": 10, "seed": 1, "batch_size": 2, "last_batch": "keep", "order": "shuffled"}
@@ -17,6 +17,33 @@ def test_round_trip_is_a_plain_dict() -> None:
     assert state["version"] == STATE_VERSION
     assert all(isinstance(v, int | str | dict | None) for v in state.values())
     assert LoaderState.from_dict(state, "map", FP) == LoaderState("map", 3, 4, 2, fingerprint=FP)
+
+
+def test_a_saved_state_shares_no_dict_with_the_live_one() -> None:
+    """The nested dicts are copied (shallowly, not by ``asdict``'s deep copy per call)."""
+    live = LoaderState("map", 1, 2, 1, fingerprint={"n": 3}, parts={"order": {"k": 1}})
+    saved = live.to_dict()
+    assert saved["fingerprint"] == {"n": 3} and saved["fingerprint"] is not live.fingerprint
+    assert saved["parts"] == {"order": {"k": 1}} and saved["parts"] is not live.parts
+
+
+class _Half:
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
+class _Both(_Half):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
+class _NoneMember(_Both):
+    load_state_dict = None  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("obj", [_Half(), _Both(), _NoneMember(), object(), [], None])
+def test_is_stateful_agrees_with_the_protocol(obj: Any) -> None:
+    assert is_stateful(obj) == isinstance(obj, Stateful)
 
 
 def test_mismatch_names_every_field_with_both_values() -> None:

@@ -55,7 +55,7 @@ from lightning_loaders.schedule.map_plan import LastBatch
 from lightning_loaders.schedule.map_schedule import MapSchedule, resolve_last_batch, resolve_seed
 from lightning_loaders.schedule.requests import BatchRequest
 from lightning_loaders.sources.mix import Mix
-from lightning_loaders.state import PARTS, Stateful
+from lightning_loaders.state import PARTS, is_stateful
 
 __all__ = ["MapStyleLoader"]
 
@@ -234,7 +234,7 @@ class MapStyleLoader(ResumableLoader):
             recent = list(self._recent_skips)
             in_held = sum(recent[max(0, len(recent) - held):]) if held else 0
             parts[_SKIPPED] = self._num_skipped - in_held
-        if isinstance(self.dataset, Stateful):
+        if is_stateful(self.dataset):
             parts[_DATASET] = copy.deepcopy(self.dataset.state_dict())
         return parts
 
@@ -242,7 +242,7 @@ class MapStyleLoader(ResumableLoader):
         _saved_skip_count(parts)
 
     def _load_parts(self, parts: Mapping[str, Any]) -> None:
-        if _DATASET in parts and isinstance(self.dataset, Stateful):
+        if _DATASET in parts and is_stateful(self.dataset):
             self.dataset.load_state_dict(copy.deepcopy(parts[_DATASET]))  # may refuse: first
             self.close()
         self._num_skipped = _saved_skip_count(parts)

@@ -29,7 +29,7 @@ from lightning_loaders.schedule.map_plan import (
     rollover_span,
 )
 from lightning_loaders.schedule.requests import BatchRequest
-from lightning_loaders.state import LoaderState, Stateful
+from lightning_loaders.state import LoaderState, is_stateful
 
 __all__ = [
     "MapSchedule",
@@ -228,7 +228,7 @@ class MapSchedule(EpochOwner):
         state = LoaderState.from_dict(state_dict, KIND, self.fingerprint())
         self._check_cursor(state)
         with self.loading():
-            if isinstance(self.order, Stateful) and ORDER_STATE in state.parts:
+            if is_stateful(self.order) and ORDER_STATE in state.parts:
                 self.order.load_state_dict(state.parts[ORDER_STATE])
             if AUDIT in state.parts:
                 self._audited = None  # the order's restored state may draw otherwise
@@ -242,13 +242,13 @@ class MapSchedule(EpochOwner):
     @contextmanager
     def loading(self) -> Iterator[None]:
         """As the base's, and the order's own state (a stateful sampler's) is put back too."""
-        previous = self.order.state_dict() if isinstance(self.order, Stateful) else None
+        previous = self.order.state_dict() if is_stateful(self.order) else None
         try:
             with super().loading():
                 yield
         except BaseException:
             if previous is not None:
-                assert isinstance(self.order, Stateful)
+                assert is_stateful(self.order)
                 self.order.load_state_dict(previous)
             raise
 
@@ -293,7 +293,7 @@ class MapSchedule(EpochOwner):
 
     def _order_state(self) -> dict[str, Any]:
         """The order's own state (a drawn sampler's, re-weighted weights), if it has one."""
-        return {ORDER_STATE: self.order.state_dict()} if isinstance(self.order, Stateful) else {}
+        return {ORDER_STATE: self.order.state_dict()} if is_stateful(self.order) else {}
 
 
 def _batch_requests(plan: EpochPlan, epoch: int, batches: int, offset_batches: int, rank: int,
