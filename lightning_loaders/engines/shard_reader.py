@@ -118,6 +118,11 @@ class SlotReader:
         shard = self._source.describe_shard(self._pieces[self._piece].shard)
         return f"{shard}, reading from sample {self._offset}"
 
+    def viewing(self) -> AbstractContextManager[Any]:
+        """The view the reads happen in (``sole_reader()`` for a plain dataset), to enter once
+        around a batch's read and its read-ahead: nested in it, theirs cost nothing."""
+        return self._view()
+
     def close(self) -> None:
         iterator, self._it = self._it, None
         close = getattr(iterator, "close", None)
@@ -282,17 +287,18 @@ class SlotFetcher(Dataset[Any]):
             reader = self._reader(request)
             if reader.exhausted:
                 return SlotEnd(request.slot)
+            known = self.config.lengths is not None
             with seeded_fetch(self.config.seed, request.epoch, request.batch, request.rank,
                                request.slot):
-                samples = reader.take(request.size)
-                known = self.config.lengths is not None
-                if not known:
-                    if not samples or (len(samples) < request.size
-                                       and self.config.last_batch == "drop"):
-                        reader.exhausted = True
-                        return SlotEnd(request.slot)
-                    reader.exhausted = len(samples) < request.size or reader.at_end()
-                elif len(samples) < request.size:
+                with reader.viewing():
+                    samples = reader.take(request.size)
+                    if not known:
+                        if not samples or (len(samples) < request.size
+                                           and self.config.last_batch == "drop"):
+                            reader.exhausted = True
+                            return SlotEnd(request.slot)
+                        reader.exhausted = len(samples) < request.size or reader.at_end()
+                if known and len(samples) < request.size:
                     raise ValueError(f"slot {request.slot} ran out of samples {reader.where()}: "
                                      "a shard is shorter than its declared length")
                 reader.batch += 1
