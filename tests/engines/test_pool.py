@@ -216,6 +216,7 @@ def test_process_workers_start_no_thread_in_the_main_process() -> None:
     before = {t.ident for t in threading.enumerate()}
     pool = ProcessPool(Recorder(), range(6), num_workers=2, seed=7)
     assert [r for r, _ in pool] == list(range(6))
-    assert {t.ident for t in threading.enumerate()} == before  # no feeder or pin thread
+    assert {t.ident for t in threading.enumerate()} <= before  # no feeder or pin thread (one
+    # of an earlier test's threads may have ended meanwhile)
     assert all(worker.process.pid != os.getpid() for worker in pool.workers)
     pool.close()
