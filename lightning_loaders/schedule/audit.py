@@ -35,7 +35,7 @@ import numpy as np
 
 from lightning_loaders.errors import StateMismatchError
 
-__all__ = ["AUDIT", "audit_part", "batch_digest", "check_audit", "saved_digest"]
+__all__ = ["AUDIT", "audit_part", "batch_digest", "check_audit", "reaudited", "saved_digest"]
 
 AUDIT = "audit"  # the state's part
 _RANK = "rank"
@@ -63,6 +63,15 @@ def audit_part(rank: int, digest: str, batches: int | None = None) -> dict[str, 
     if batches is not None:
         part[_BATCHES] = batches
     return part
+
+
+def reaudited(part: Mapping[str, Any], batches: int, predict: Callable[[int, int], str]
+              ) -> dict[str, Any]:
+    """``part`` (a valid audit part of a cursor at ``batches``) with its digest predicted anew,
+    as ``check_audit`` will predict it: the same cursor, under an order whose state changed
+    since it was saved."""
+    rank, own = part[_RANK], part.get(_BATCHES)
+    return audit_part(rank, predict(rank, batches if own is None else own), own)
 
 
 def saved_digest(state: Mapping[str, Any]) -> str | None:

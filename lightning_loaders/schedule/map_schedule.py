@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,13 @@ import torch
 from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.hashing import checked_seed
 from lightning_loaders.orders.base import SampleOrder
-from lightning_loaders.schedule.audit import AUDIT, audit_part, batch_digest, check_audit
+from lightning_loaders.schedule.audit import (
+    AUDIT,
+    audit_part,
+    batch_digest,
+    check_audit,
+    reaudited,
+)
 from lightning_loaders.schedule.epochs import EpochOwner
 from lightning_loaders.schedule.map_plan import (
     LAST_BATCH_POLICIES,
@@ -195,7 +202,7 @@ class MapSchedule(EpochOwner):
         they are not counted, so a resume delivers them again.
         """
         if self._pending is not None:
-            return self._pending.to_dict()
+            return self._restored_state().to_dict()
         trainer = self._trainer_epoch
         if self.epoch is None:
             state = LoaderState(KIND, trainer or 0, 0, self.placement[1], trainer_epoch=trainer,
@@ -210,6 +217,24 @@ class MapSchedule(EpochOwner):
                                        AUDIT: audit_part(self.placement[0],
                                                          self._cursor_digest(batches))})
         return state.to_dict()
+
+    def _restored_state(self) -> LoaderState:
+        """The restored state not yet begun, with the order's live state (loaded with it, and
+        maybe changed since: new weights before the first batch) and its audit under it."""
+        pending = self._pending
+        assert pending is not None
+        order = self._order_state()
+        if not order:
+            return pending
+        parts = {**pending.parts, **order}
+        if AUDIT in parts:
+            parts[AUDIT] = reaudited(parts[AUDIT], pending.batches, self._predictor(pending))
+        return replace(pending, parts=parts)
+
+    def _predictor(self, state: LoaderState) -> Callable[[int, int], str]:
+        """The audit digest this loader's plan gives the cursor of ``state`` on a rank."""
+        return lambda rank, batches: self._digest(state.epoch, batches, state.offset_batches,
+                                                  state.offset_position, state.world_size, rank)
 
     def audit_at(self, batches: int) -> dict[str, Any]:
         """The audit part of the cursor at ``batches`` of the epoch being delivered, on this
@@ -233,10 +258,7 @@ class MapSchedule(EpochOwner):
             if AUDIT in state.parts:
                 self._audited = None  # the order's restored state may draw otherwise
                 check_audit(state.parts[AUDIT], state.epoch, state.batches, state.world_size,
-                            lambda rank, batches: self._digest(state.epoch, batches,
-                                                               state.offset_batches,
-                                                               state.offset_position,
-                                                               state.world_size, rank))
+                            self._predictor(state))
             self._pending = state
 
     @contextmanager

@@ -1,10 +1,16 @@
 """MapSchedule's requests: the plan read a block at a time equals the plan read batch by batch."""
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import pytest
+import torch
 
+from lightning_loaders import DynamicWeightedSampler, Mix, ResumableLoader
 from lightning_loaders.orders.base import ShuffledOrder
 from lightning_loaders.schedule.map_schedule import MapSchedule
+from lightning_loaders.testing import checkpoint_roundtrip
 
 
 def _expected(schedule: MapSchedule) -> list[tuple[int, list[int], list[int], list[int]]]:
@@ -41,3 +47,34 @@ def test_requests_from_any_cursor_follow_the_plan(monkeypatch, last_batch: str,
                 assert got == _expected(schedule)
                 assert all(r.epoch == epoch and r.rank == rank for r in schedule.requests())
                 schedule.delivered()
+
+
+def _mixed() -> tuple[Any, Callable[[], None]]:
+    mix = Mix([list(range(40)), list(range(100, 140))], [1, 1], samples_per_epoch=64,
+              batch_size=4)
+    return ResumableLoader(mix, batch_size=4, seed=1), lambda: mix.set_weights([0, 1])
+
+
+def _reweighted() -> tuple[Any, Callable[[], None]]:
+    sampler = DynamicWeightedSampler(torch.ones(10))
+    loader = ResumableLoader(list(range(10)), batch_size=2, sampler=sampler)
+    return loader, lambda: sampler.set_weights(torch.tensor([1.0] + [0.0] * 9))
+
+
+@pytest.mark.parametrize("make", [_mixed, _reweighted], ids=["Mix", "DynamicWeightedSampler"])
+def test_a_restored_state_saved_again_before_its_first_batch_keeps_new_weights(make) -> None:
+    """Weights changed between ``load_state_dict()`` and the first batch (a curriculum callback,
+    then a checkpoint before training goes on) are in the state saved then, as the live loader
+    uses them: it returned the loaded state as it was, and resumed on the old weights."""
+    first, _ = make()
+    batches = iter(first)
+    for _ in range(3):
+        next(batches)
+    saved = checkpoint_roundtrip(first.state_dict())
+    live, reweight = make()
+    live.load_state_dict(saved)
+    reweight()
+    again = checkpoint_roundtrip(live.state_dict())
+    resumed, _ = make()
+    resumed.load_state_dict(again)
+    assert [b.tolist() for b in resumed] == [b.tolist() for b in live]
