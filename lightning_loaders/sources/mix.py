@@ -163,6 +163,11 @@ class _ShardRows:
 
 def _random_access(source: Any, k: int) -> Any:
     """``source`` as something indexable, or a ``TypeError`` naming what it lacks."""
+    if isinstance(source, Mix):
+        raise TypeError(f"Mix source {k} is itself a Mix: read as a member, its samples would be "
+                        "drawn uniformly, and its weights, schedule and mode ignored. Flatten it: "
+                        "give its sources to this Mix, each with the product of its weight and "
+                        "the inner Mix's")
     if isinstance(source, ShardedSource):
         lengths = source.shard_lengths
         if lengths is None:

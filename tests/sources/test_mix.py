@@ -112,6 +112,14 @@ def test_sources_without_random_access_are_refused(tmp_path: Path) -> None:
         Mix([torch.arange(3), []], [1, 1])
 
 
+def test_a_mix_of_mixes_is_refused_with_the_flat_weights_to_give() -> None:
+    """Read as a member, an inner Mix is an index range drawn uniformly: a member it weighs 0
+    came up as often as the others."""
+    inner = Mix([torch.arange(3), torch.arange(3)], [1, 0])
+    with pytest.raises(TypeError, match="source 0 is itself a Mix.*product of its weight"):
+        Mix([inner, torch.arange(3)], [1, 1])
+
+
 def _three(shard: int):
     return iter(range(3))
 
