@@ -81,7 +81,7 @@ class DALILoader(DeliveryCore):
         shuffle, sampler: external-source mode only: the sample order (as ``ResumableLoader``).
         last_batch: ``"keep"`` (default: a short last batch, no duplicates), ``"drop"`` or
             ``"pad"``. In reader mode these are DALI's ``PARTIAL``, ``DROP`` and ``FILL``
-            (DALI pads by repeating a shard's last sample).
+            (DALI pads by repeating a shard's last sample; ``DROP`` needs shards of one size).
         seed: keys the order and the pipeline seeds; defaults to ``$PL_GLOBAL_SEED``, else 0.
         trainer: the Lightning trainer (``self.trainer`` in ``train_dataloader``): the device is
             its ``strategy.root_device``.
@@ -441,6 +441,13 @@ class DALILoader(DeliveryCore):
             raise RuntimeError(f"DALI's iterator has {len(engine.iterator)} batches per epoch, "
                                f"the plan {planned} ({n} samples, {shards} shards, batch_size "
                                f"{self.batch_size}, last_batch={self.last_batch!r})")
+        if self.last_batch == "drop" and n % shards:
+            raise ValueError(
+                f"last_batch='drop' in reader mode needs shards of one size ({n} samples over "
+                f"{shards} shards are not): DALI pads the shorter shards, never reads the padded "
+                "tail it drops, and begins the next epoch inside it, so samples repeat and others "
+                "are never read. Use last_batch='pad', or external-source mode (which plans the "
+                "epoch itself)")
         if self.last_batch == "keep":
             sizes = [(i + 1) * n // shards - i * n // shards for i in range(shards)]
             short = [s for s in sizes if math.ceil(s / self.batch_size) < planned]
