@@ -50,7 +50,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_loaders.lightning.datamodule import convert_passed_loaders
 from lightning_loaders.schedule.audit import saved_digest
-from lightning_loaders.state import abandoned
+from lightning_loaders.state import abandoned, is_stateful
 
 __all__ = ["ExactResume"]
 
@@ -289,6 +289,7 @@ class ExactResume(Callback):
         self._run_pending(trainer, pl_module)
         if fit_loop.restarted_mid_epoch:
             _count_from_loaders(trainer)
+        _warn_unresumable(trainer)
 
     def _run_pending(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Run the validation pending in the checkpoint as the epoch loop runs it."""
@@ -506,6 +507,23 @@ def _rebuilt_since(trainer: L.Trainer, loaded_at: int | None) -> bool:
         return True
     val_loop._last_val_dl_reload_epoch = loaded_at
     return False
+
+
+def _warn_unresumable(trainer: L.Trainer) -> None:
+    """Warn of training loaders without ``state_dict()`` (a plain ``DataLoader`` returned by a
+    module's or a plain datamodule's hook, which is left to it): Lightning restarts their
+    epoch on resume, so its first samples repeat and the others are lost."""
+    combined = trainer.fit_loop._combined_loader
+    plain = [f"{index} ({type(loader).__name__})"
+             for index, loader in enumerate(combined.flattened if combined is not None else [])
+             if not is_stateful(loader)]
+    if plain:
+        warnings.warn(
+            f"training loader {', '.join(plain)} has no state_dict(): a resume restarts its "
+            "epoch, repeating the samples read before the checkpoint and losing others. "
+            "ExactResume converts plain DataLoaders passed to fit() only; return a resumable "
+            "one from the hook (lightning_loaders.make_resumable, or a ResumableDataModule)",
+            stacklevel=2)
 
 
 def _fitting(trainer: L.Trainer) -> bool:

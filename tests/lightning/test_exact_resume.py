@@ -566,6 +566,20 @@ def test_loaders_passed_to_fit_go_on_through_reloads(tmp_path: Path) -> None:
     assert exact_steps == steps == list(range(1, STEPS + 1))
 
 
+class _PlainData(L.LightningDataModule):
+    def train_dataloader(self) -> Any:
+        return DataLoader(IndexDataset(12), batch_size=2, shuffle=True)
+
+
+def test_a_plain_loader_from_a_hook_is_named_in_a_warning(tmp_path: Path) -> None:
+    """Loaders from hooks are the hook's to make resumable; a plain one would restart its
+    epoch on resume, in silence."""
+    trainer = make_trainer(tmp_path, 1, [ExactResume()])
+    with pytest.warns(UserWarning, match=r"training loader 0 \(DataLoader\) has no "
+                                         r"state_dict\(\).*make_resumable"):
+        trainer.fit(EventModule(), datamodule=_PlainData())
+
+
 def test_it_adds_no_warnings_or_log_records(tmp_path: Path,
                                             caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "inside.ckpt"
