@@ -45,6 +45,12 @@ class DrawnOrder:
     batched = False
 
     def __init__(self, sampler: Any, seed: int) -> None:
+        if isinstance(sampler, Iterator):
+            raise TypeError(
+                f"the sampler is an iterator ({type(sampler).__qualname__}), which yields its "
+                "indices once: a resumable loader reads its sampler again for every epoch (and "
+                "twice to check that it is deterministic). Give an iterable that starts over at "
+                "each iter(): a list, a range or a Sampler")
         self.sampler = sampler
         self.seed = seed
         self._name = type(sampler).__qualname__

@@ -5,9 +5,9 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 
-from lightning_loaders import ResumableLoader
+from lightning_loaders import ResumableLoader, make_resumable
 from lightning_loaders.orders import drawn
 from lightning_loaders.orders.drawn import DrawnBatchOrder, DrawnOrder
 from lightning_loaders.testing import check_resume_at_every_step, run_epochs
@@ -131,6 +131,15 @@ def test_set_epoch_is_called_before_each_draw() -> None:
 
     order = DrawnOrder(EpochAware(), seed=0)
     assert order.indices(3, np.arange(2)).tolist() == [18, 19]
+
+
+@pytest.mark.parametrize("sampler", [iter(range(10)), (i for i in range(10))],
+                         ids=["range_iterator", "generator"])
+def test_an_iterator_as_sampler_is_refused_as_read_once(sampler) -> None:
+    """Drawn twice to check it, it came out empty: "its sampler yields no index"."""
+    loader = DataLoader(list(range(10)), batch_size=2, sampler=sampler)
+    with pytest.raises(TypeError, match="is an iterator .* yields its indices once"):
+        make_resumable(loader)
 
 
 def test_a_non_deterministic_sampler_gets_a_clear_warning() -> None:
