@@ -124,16 +124,20 @@ class MapSchedule(EpochOwner):
 
     def frontier(self) -> tuple[int, int] | None:
         """``(epoch, position)``: the first position of the epoch not delivered yet, a restored
-        state's until it applies (``None`` before any epoch, and under ``"rollover"``, whose
-        plans count stream positions)."""
+        state's until it applies (``None`` before any epoch). Under ``"rollover"`` plans count
+        stream positions, so the epoch is the sample epoch that position falls in."""
         state = self._pending
-        if self.last_batch == "rollover" or (state is None and self.plan is None):
-            return None
         if state is not None:
             plan = self.plan_for(state.epoch, state.world_size, state.offset_position)
-            return state.epoch, plan.consumed(state.batches - state.offset_batches)
-        assert self.plan is not None and self.epoch is not None
-        return self.epoch, self.plan.consumed(self.batches - self._offset_batches)
+            epoch, position = state.epoch, plan.consumed(state.batches - state.offset_batches)
+        elif self.plan is None or self.epoch is None:
+            return None
+        else:
+            epoch, position = self.epoch, self.plan.consumed(self.batches - self._offset_batches)
+        if self.last_batch == "rollover":
+            sample_epoch, position = divmod(position, self.dataset_len)
+            return sample_epoch, position
+        return epoch, position
 
     def requests(self) -> Iterator[BatchRequest]:
         """This rank's remaining batch requests of the current epoch, from the cursor on."""

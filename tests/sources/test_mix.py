@@ -164,18 +164,21 @@ def test_a_sampler_or_shuffle_is_refused_but_make_resumable_works(tmp_path: Path
     assert run_epochs(converted, [0], key=key) == run_epochs(loader(tmp_path), [0], key=key)
 
 
-def _lists_mix(rank: int = 0, world_size: int = 1) -> ResumableLoader:
+def _lists_mix(rank: int = 0, world_size: int = 1, last_batch: str = "keep") -> ResumableLoader:
     """Three list sources mixed in steps of 8 samples, read in batches of ``8 // world_size``
     per rank before an elastic resume, 4 after."""
     sources = [list(range(1000 * k, 1000 * k + n)) for k, n in enumerate((40, 40, 40))]
     mix = Mix(sources, [1, 1, 1], samples_per_epoch=96, batch_size=8)
-    return ResumableLoader(mix, batch_size=4, seed=0, rank=rank, world_size=world_size)
+    return ResumableLoader(mix, batch_size=4, seed=0, rank=rank, world_size=world_size,
+                           last_batch=last_batch)
 
 
-def test_a_weight_change_at_a_delivered_step_is_refused() -> None:
+@pytest.mark.parametrize("last_batch", ["keep", "rollover"])
+def test_a_weight_change_at_a_delivered_step_is_refused(last_batch: str) -> None:
     """A change from a step whose samples were delivered would not be what was trained on,
-    nor what a resume reads; by default a change starts at the first step not delivered."""
-    made = _lists_mix()
+    nor what a resume reads; by default a change starts at the first step not delivered (under
+    ``"rollover"`` too, whose plans count stream positions: it went back to step 0)."""
+    made = _lists_mix(last_batch=last_batch)
     batches = iter(made)
     first = [next(batches).tolist() for _ in range(4)]  # steps 0 and 1 (8 samples a step)
     mix = made.dataset
