@@ -28,7 +28,7 @@ from typing import Any, Protocol, Self
 
 from torch.utils.data import SequentialSampler
 
-from lightning_loaders.loaders.prefetch import batches_held, find_prefetcher, fit_epoch
+from lightning_loaders.loaders.prefetch import find_prefetcher, fit_epoch, held_after
 from lightning_loaders.state import PARTS
 
 __all__ = [
@@ -81,22 +81,21 @@ class DeliveryCore:
     _iter_token = 0
     _generation = 0  # bumped by close(): iterators then go on from the cursor
     _prefetcher: weakref.ref[Any] | None = None
+    _held = 0  # batches a prefetching fetcher took and has not handed on (``held_after``)
 
     def __iter__(self) -> Iterator[Any]:
         """A new iterator. Cheap: the epoch and the engine start at its first ``next()``.
 
         Under Lightning's prefetching fetcher: the fit loop's first fetch comes before it
         gives the epoch, which is then taken from it, unless a restored state decides (its
-        saved epoch owner does; the fit loop's count may still move on a restart); and a
-        fetcher that makes a new iterator while it holds batches of ours
-        (``reload_dataloaders_every_n_epochs`` iterates twice) never trained on them, so the
-        new one goes on from before them (the cursor its state would save), not with the next
-        epoch."""
-        prefetcher = find_prefetcher()
-        again = prefetcher is not None and self._prefetcher is not None and (
-            prefetcher() is self._prefetcher())
-        if again and batches_held(prefetcher):
+        saved epoch owner does; the fit loop's count may still move on a restart); and batches
+        a fetcher still held at a new ``iter()`` were never trained on (it iterates again under
+        ``reload_dataloaders_every_n_epochs``, or a restart sets the data up twice and drops
+        it), so the new iterator goes on from before them (the cursor the state saves), not
+        with the next epoch."""
+        if self._held:
             self.load_state_dict(self.state_dict())
+        prefetcher = find_prefetcher()
         self._iter_token += 1
         self._prefetcher = prefetcher
         if (prefetcher is not None and not self.schedule.restoring
@@ -141,7 +140,7 @@ class DeliveryCore:
         """The cursor as a small plain dict (``lightning_loaders.state``), with this loader's
         own parts; batches a prefetching trainer holds are not counted, so a resume delivers
         them again."""
-        held = batches_held(self._prefetcher)
+        held = self._held
         state = self.schedule.state_dict(held=held)
         state[PARTS] = {**state[PARTS], **self._parts(held)}
         return state
@@ -155,6 +154,7 @@ class DeliveryCore:
         with self.schedule.loading():
             self.schedule.load_state_dict(state_dict)
             self._load_parts(state_dict[PARTS])
+        self._held = 0
 
     def close(self) -> None:
         """Stop the engine now; an iterator used afterwards goes on from the cursor."""
@@ -242,6 +242,7 @@ class Delivery:
         try:
             batch = next(self._batches)
         except StopIteration:
+            loader._held = held_after(loader._prefetcher, handed=False)
             raise
         except BaseException:
             self._batches = None
@@ -250,6 +251,8 @@ class Delivery:
         # An engine restarted inside next() (after a worker crash) is current; a close()
         # between two calls is not, and reopens at the cursor.
         self._generation = loader._generation
+        if loader._prefetcher is not None:
+            loader._held = held_after(loader._prefetcher, handed=True)
         return batch
 
 

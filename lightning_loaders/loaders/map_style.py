@@ -40,7 +40,6 @@ from lightning_loaders.loaders.out_of_order import (
     not_delivered,
     rank_entry,
 )
-from lightning_loaders.loaders.prefetch import batches_held
 from lightning_loaders.loaders.resumable import LoaderOptions, ResumableLoader
 from lightning_loaders.orders.base import SampleOrder, SequentialOrder, ShuffledOrder
 from lightning_loaders.orders.from_torch import (
@@ -210,7 +209,7 @@ class MapStyleLoader(ResumableLoader):
             state = super().state_dict()
             if self._window_epoch != state["epoch"]:
                 return state
-        held = batches_held(self._prefetcher)
+        held = self._held
         schedule = self.schedule
         state = schedule.state_dict()
         rank, world_size = schedule.placement

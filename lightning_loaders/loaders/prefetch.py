@@ -2,8 +2,11 @@
 
 For a loader without ``len()`` Lightning's ``_PrefetchDataFetcher`` pulls one batch ahead of the
 training step, so "batches delivered" runs one ahead of "batches trained on". A loader finds
-the fetcher that iterates it (at ``iter()``, from the calling frames) and subtracts the batches
-the fetcher still holds when it saves its state. Sized loaders are never prefetched.
+the fetcher that iterates it (at ``iter()``, from the calling frames), notes at each ``next()``
+how many batches the fetcher will then hold, and subtracts them when it saves its state. The
+note outlives the fetcher: one dropped or torn down while it held batches (a restart sets the
+data up twice; ``max_steps`` ends mid-epoch) never trained on them. Sized loaders are never
+prefetched.
 
 The fit loop's ``setup_data`` also makes that first fetch before ``on_advance_start`` gives the
 loader the epoch (``loops/fit_loop.py:276`` before ``:445``): ``fit_epoch()`` reads the epoch it
@@ -18,7 +21,7 @@ import weakref
 from types import FrameType
 from typing import Any
 
-__all__ = ["batches_held", "find_prefetcher", "fit_epoch"]
+__all__ = ["find_prefetcher", "fit_epoch", "held_after"]
 
 _FETCHER_MODULES = ("lightning.pytorch.loops.fetchers", "pytorch_lightning.loops.fetchers")
 _FIT_LOOP_MODULES = ("lightning.pytorch.loops.fit_loop", "pytorch_lightning.loops.fit_loop")
@@ -66,9 +69,11 @@ def _caller(modules: tuple[str, ...], class_name: str, method: str, depth: int) 
     return None
 
 
-def batches_held(prefetcher: weakref.ref[Any] | None) -> int:
-    """Batches the fetcher has taken from the loader but not yet handed to a training step."""
+def held_after(prefetcher: weakref.ref[Any] | None, handed: bool) -> int:
+    """Batches the fetcher holds, not yet handed to a training step, once the ``next()`` it is
+    making on us returns (``handed``: with a batch). Each of its ``next()`` calls pops a held
+    batch before it asks us for the next, so the count only changes while we are asked."""
     fetcher = prefetcher() if prefetcher is not None else None
     if fetcher is None or getattr(fetcher, "length", None) is not None:
         return 0
-    return len(getattr(fetcher, "batches", ()))
+    return len(getattr(fetcher, "batches", ())) + handed

@@ -303,6 +303,20 @@ def combined(mode: str, shuffle: bool = False) -> Loaders:
 
 
 HALF = {"val_check_interval": 0.5}
+
+
+def unsized_then_sized_validation() -> Loaders:
+    """Validation over a loader of unknown length (3 batches), then ``resumable``'s."""
+
+    def make() -> tuple[Any, Any]:
+        train, sized = resumable()()
+        first = ResumableLoader(GeneratorSource(_samples, [(0, 3), (3, 5)]), batch_size=2,
+                                evaluation=True)
+        return train, [first, sized]
+
+    return make
+
+
 MID_VALIDATION = [
     # loaders, pass, dataloader_idx, batch_idx, hook, ExactResume listed first, Trainer options
     pytest.param(resumable(), 1, 0, 1, "on_validation_batch_end", True, HALF,
@@ -339,6 +353,9 @@ MID_VALIDATION = [
                  id="second-loader-then-a-pass"),
     pytest.param(resumable(val_loaders=2, shuffle_val=True), 0, 1, 0, "on_validation_batch_end",
                  True, HALF, id="shuffled-second-loader-then-a-pass"),
+    # the batch Lightning's fetcher holds then is the second loader's, not the first's
+    pytest.param(unsized_then_sized_validation(), 0, 1, 0, "on_validation_batch_end", True,
+                 HALF, id="unsized-loader-then-a-sized-one-then-a-pass"),
     # a mode leaving a member mid-epoch: the next pass starts it afresh
     pytest.param(combined("max_size_cycle"), 1, 0, 1, "on_validation_batch_end", True, HALF,
                  id="CombinedLoader-max_size_cycle"),

@@ -18,6 +18,7 @@ from tests.lightning_harness import (
     checkpoint_at,
     every_step_checkpoints,
     fit_recording,
+    make_trainer,
 )
 
 
@@ -83,6 +84,28 @@ def test_an_unsized_loader_starts_the_fit_loops_epoch_before_it_is_told(tmp_path
     resumed = fit_recording(unsized(), tmp_path, 3, ckpt_path=directory / "epoch=0.ckpt")
     assert resumed == full[len(orders[0]):]
     assert fit_recording(unsized(), tmp_path, 3, reload_dataloaders_every_n_epochs=1) == full
+
+
+def test_an_unsized_loader_reloaded_every_epoch_resumes_from_every_checkpoint(tmp_path: Path
+                                                                             ) -> None:
+    """Resumed at an epoch's last batch, the fit loop sets the data up twice (its reload
+    epoch is not restored): the first fetcher takes the next epoch's first batch and is
+    dropped holding it. The second goes on from before it, not with the epoch after."""
+    full = check_trainer_resume(unsized(), tmp_path, 3, batch_idx=False,
+                                reload_dataloaders_every_n_epochs=1)
+    assert len({tuple(map(tuple, (b for e, _, b in full if e == epoch))) for epoch in range(3)
+                }) == 3, "each epoch needs its own order"
+
+
+def test_a_batch_held_when_fit_stops_mid_epoch_is_not_counted_as_delivered(
+        tmp_path: Path) -> None:
+    """``max_steps`` ends ``fit`` while Lightning's fetcher holds the next batch of an unsized
+    loader: it never reached a training step, so the loader's state leaves it to deliver."""
+    full = fit_recording(unsized(), tmp_path, 1)
+    loader = unsized()()
+    make_trainer(tmp_path, 1, max_steps=2).fit(RecordingModule(), loader)
+    assert loader.state_dict()["batches"] == 2
+    assert [b["index"].tolist() for b in loader] == [b for _, _, b in full][2:]
 
 
 def test_limit_train_batches_leaves_no_stale_tail(tmp_path: Path) -> None:
