@@ -388,7 +388,7 @@ class ExactResume(Callback):
         between = between if between is not None else [None] * len(loaders)
         states = [between[i] if i < j else origin[i] for i in range(len(loaders))]
         exact = handed == stepped and not _prefetched(trainer)
-        if exact and j < len(loaders) and _is_stateful(loaders[j]):
+        if exact and k > 0 and _is_stateful(loaders[j]):
             states[j] = loaders[j].state_dict()  # its cursor is where the pass stands
             return _Pending(dataloader_idx=j, batch_idx=k, origin=origin), states
         return _Pending(dataloader_idx=j, batch_idx=k, replay=k, origin=origin), states
@@ -588,7 +588,7 @@ def _states(trainer: L.Trainer, loaders: Sequence[Any], after_sanity: bool
     states: list[Any] = []
     for loader, read in zip(loaders, _batches_read(mode, loaders, limits), strict=True):
         state = loader.state_dict() if _is_stateful(loader) else None
-        if state is not None and _mid_epoch(loader, read):
+        if state is not None and _mid_epoch(loader, read) and not _epoch_unread(state):
             state = abandoned(state)
         states.append(None if state is None or _unread(state) else state)
     return states
@@ -617,6 +617,13 @@ def _mid_epoch(loader: Any, read: float) -> bool:
     if read == float("inf") or length == float("inf"):
         return read != length
     return read % length != 0
+
+
+def _epoch_unread(state: Any) -> bool:
+    """Whether a loader's state (this package's) has handed over nothing of its epoch: the
+    pass that leaves it mid-epoch is the one starting (its state at ``on_validation_start``),
+    not one before it."""
+    return isinstance(state, dict) and state.get("batches") == 0
 
 
 def _unread(state: Any) -> bool:

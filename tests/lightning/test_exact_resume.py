@@ -353,6 +353,17 @@ MID_VALIDATION = [
                  id="second-loader-then-a-pass"),
     pytest.param(resumable(val_loaders=2, shuffle_val=True), 0, 1, 0, "on_validation_batch_end",
                  True, HALF, id="shuffled-second-loader-then-a-pass"),
+    # the next loader's part has not begun: it goes on as the earlier pass (the sanity
+    # check, a limited pass) left it, not from its cursor in that pass
+    pytest.param(resumable(val_loaders=2), 0, 0, 2, "on_validation_batch_end", True,
+                 {**HALF, "num_sanity_val_steps": 2}, id="end-of-first-loader-after-sanity"),
+    pytest.param(resumable(val_loaders=2, shuffle_val=True), 1, 0, 0, "on_validation_batch_end",
+                 True, {**HALF, "limit_val_batches": 1}, id="end-of-first-loader-limited"),
+    # a replay from the pass's start, which leaves the loader mid-epoch, replays its epoch
+    pytest.param(resumable(shuffle_val=True), 0, 0, 1, "on_validation_batch_start", True,
+                 {**HALF, "limit_val_batches": 2}, id="first-pass-limited-replayed"),
+    pytest.param(combined("max_size_cycle", shuffle=True), 0, 0, 1, "on_validation_batch_end",
+                 True, HALF, id="first-pass-CombinedLoader-max_size_cycle-shuffled"),
     # the batch Lightning's fetcher holds then is the second loader's, not the first's
     pytest.param(unsized_then_sized_validation(), 0, 1, 0, "on_validation_batch_end", True,
                  HALF, id="unsized-loader-then-a-sized-one-then-a-pass"),
