@@ -47,6 +47,7 @@ import lightning as L
 from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import CombinedLoader
 
 from lightning_loaders.lightning.datamodule import convert_passed_loaders
 from lightning_loaders.schedule.audit import saved_digest
@@ -121,7 +122,10 @@ class ExactResume(Callback):
       (Lightning alone keeps the last epoch's batch count there and ends it after a batch);
     - after a checkpoint at the last batch of an epoch, the next epoch starts as usual (with
       its ``on_train_epoch_start``, and ``batch_idx`` from 0 also for an unsized loader), and
-      checkpoints written in it resume exactly too;
+      checkpoints written in it resume exactly too; so it does after one written at the
+      epoch's end (``on_train_epoch_end``) under ``max_steps``, and the training loaders
+      passed to ``fit`` get their states from such a checkpoint (Lightning gives none there,
+      and a cycled ``CombinedLoader`` member's epochs are not the trainer's);
     - after a mid-epoch checkpoint resumed on another world size (an elastic resume), the
       epoch's batches are counted from where the training loaders resume on the new layout
       (``resume_batch()`` of this package's loaders), so Lightning asks for exactly the batches
@@ -252,6 +256,26 @@ class ExactResume(Callback):
         self._loader_states = state_dict["loaders"]
         self._loaded_at = state_dict.get("loaded_at")  # absent from older checkpoints
 
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """Give the training loaders passed to ``fit`` their saved states where Lightning does
+        not: from a checkpoint written after an epoch's end (``ModelCheckpoint`` saves in
+        ``on_train_epoch_end`` by default without validation) it restores no loader
+        (``loops/fit_loop.py:139, 553``), and a new one starts at the trainer's next epoch.
+        That is the live one's place only if it counts its epochs as the trainer does; a
+        ``CombinedLoader`` member that cycles (``max_size_cycle``) has epochs of its own."""
+        loop = checkpoint.get("loops", {}).get("fit_loop", {})
+        states = loop.get("state_dict", {}).get("combined_loader")
+        epoch = loop.get("epoch_progress", {}).get("current", {})
+        source = trainer.fit_loop._data_source
+        if (not states or source.instance is None or source.is_module()
+                or trainer.fit_loop._iteration_based_training()
+                or not epoch.get("ready") == epoch.get("started") == epoch.get("processed")):
+            return  # nothing passed to fit, or Lightning restores them (an epoch unfinished)
+        instance = source.instance
+        combined = instance if isinstance(instance, CombinedLoader) else CombinedLoader(instance)
+        combined._load_state_dicts(states)
+
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         """Log at INFO each training loader's saved cursor (epoch, batches) and its resume
@@ -280,6 +304,8 @@ class ExactResume(Callback):
         the epoch's batches from where the training loaders resume on this layout."""
         fit_loop = trainer.fit_loop
         epoch_loop = fit_loop.epoch_loop
+        if fit_loop.restarted_on_epoch_end and fit_loop._iteration_based_training():
+            _resume_as_epoch_based(fit_loop)
         if fit_loop.restarted_on_epoch_start:  # saved in on_train_epoch_start
             epoch_loop.batch_progress.reset_on_run()  # not the last epoch's count
         if (fit_loop.restarted_mid_epoch and epoch_loop.restarted_on_train_batch_end
@@ -392,6 +418,21 @@ class ExactResume(Callback):
             states[j] = loaders[j].state_dict()  # its cursor is where the pass stands
             return _Pending(dataloader_idx=j, batch_idx=k, origin=origin), states
         return _Pending(dataloader_idx=j, batch_idx=k, replay=k, origin=origin), states
+
+
+def _resume_as_epoch_based(fit_loop: Any) -> None:
+    """A checkpoint written after an epoch's last step (``on_train_epoch_end``, where
+    ``ModelCheckpoint`` saves by default without validation) resumes under ``max_steps`` as it
+    does without: the finished epoch counted, nothing restarting, the next epoch started with
+    its hooks and its batches counted from 0. Lightning keeps restarting there when training is
+    step-based (``loops/fit_loop.py:139``) and counts that epoch unfinished (``:417``): the
+    next epoch's first batch then ran as the finished epoch's ``batch_idx`` ``len()``, and the
+    epoch after it began."""
+    epoch = fit_loop.epoch_progress.current
+    epoch.completed = epoch.processed
+    fit_loop._restarting = False  # its setter keeps it under max_steps
+    fit_loop.epoch_loop.restarting = False
+    fit_loop.reset_restart_stage()
 
 
 def _count_as_epoch_end(epoch_loop: Any, batches: float) -> None:

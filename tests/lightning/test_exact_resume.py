@@ -411,6 +411,47 @@ def test_an_unsized_training_loader_restarted_at_an_epochs_end(tmp_path: Path) -
     assert exact_steps == steps == list(range(1, STEPS + 1))
 
 
+@pytest.mark.parametrize("loaders", [resumable(), unsized()], ids=["sized", "unsized"])
+def test_checkpoints_at_each_epochs_end_under_max_steps(tmp_path: Path, loaders: Loaders
+                                                        ) -> None:
+    """``ModelCheckpoint`` saving in ``on_train_epoch_end`` with step-based training: the next
+    epoch runs whole, in its own order, from ``batch_idx`` 0 and with its start hook."""
+    directory = tmp_path / "checkpoints"
+    saver = ModelCheckpoint(dirpath=directory, filename="{step}", save_top_k=-1,
+                            save_on_train_epoch_end=True)
+    full = fit(loaders, tmp_path, [saver], max_epochs=-1, max_steps=15)
+    assert [event for event in full if event[0] == "epoch"] == [("epoch", e) for e in range(3)]
+    for step in (6, 12):
+        path = checkpoint_at(directory, step)
+        assert fit(loaders, tmp_path, ckpt_path=path, max_epochs=-1, max_steps=15) == full, step
+
+
+def cycled_members() -> tuple[Any, Any]:
+    """A dict of training loaders (Lightning's ``max_size_cycle``): ``b`` cycles."""
+    return {"a": ResumableLoader(IndexDataset(10), batch_size=2, shuffle=True, seed=1),
+            "b": DataLoader(IndexDataset(6), batch_size=2, shuffle=True)}, None
+
+
+def rollover() -> tuple[Any, Any]:
+    """Leftovers open the next epoch (11 samples in batches of 2): no ``len()``, so
+    Lightning fetches a batch of the restored loader before it gives the epoch."""
+    return ResumableLoader(IndexDataset(11), batch_size=2, shuffle=True, seed=1,
+                           last_batch="rollover"), None
+
+
+@pytest.mark.parametrize("loaders", [cycled_members, rollover])
+def test_checkpoints_at_each_epochs_end_restore_the_loaders(tmp_path: Path, loaders: Loaders
+                                                            ) -> None:
+    """Lightning restores no loader from a checkpoint at an epoch's end, and a new one starts
+    at the trainer's next epoch, where a cycled member was not."""
+    directory = tmp_path / "checkpoints"
+    saver = ModelCheckpoint(dirpath=directory, filename="{epoch}", save_top_k=-1)
+    full = fit(loaders, tmp_path, [saver], max_epochs=3)
+    for epoch in (0, 1):
+        path = directory / f"epoch={epoch}.ckpt"
+        assert fit(loaders, tmp_path, ckpt_path=path, max_epochs=3) == full, epoch
+
+
 class SaveAtEpochStart(L.Callback):
     def __init__(self, path: Path, epoch: int) -> None:
         self.path, self.epoch = path, epoch
