@@ -42,9 +42,11 @@ Refused
     A dataset already split by rank with ``datasets.distributed.split_dataset_by_node``: pass
     the unsplit dataset, the loader shards it. A dataset of several shards with a step that
     gives other samples when it runs per shard (``take``, ``skip``, ``interleave_datasets``,
-    ``map``/``filter`` with ``with_indices=True``): pass it to ``ResumableLoader`` directly. A
-    map-style ``datasets.Dataset`` is not a source: give it to ``ResumableLoader`` directly (it
-    is read through its ``__getitems__``).
+    ``batch``, ``map``/``filter`` with ``with_indices=True``): pass it to ``ResumableLoader``
+    directly. A batched ``map`` runs on each shard's rows, as in ``datasets``' own loader
+    workers: one that regroups rows (packing) groups them within a shard. A map-style
+    ``datasets.Dataset`` is not a source: give it to ``ResumableLoader`` directly (it is read
+    through its ``__getitems__``).
 
 ``HFSource`` reads a few internals of ``datasets`` (how an ``IterableDataset`` is iterated
 without its worker split, and what its pipeline is made of; checked against datasets 5.2).
@@ -262,20 +264,31 @@ def refuse_unseeded_shuffle(dataset: Any) -> None:
 def _whole_stream_only(step: Any) -> str:
     """The pipeline step, described, whose result differs when it runs per shard: ``take``
     and ``skip`` (their count is spread over the shards), ``interleave_datasets`` (per shard,
-    a source is exhausted, and the short ones cycled, elsewhere) and ``map`` or ``filter`` with
-    ``with_indices=True``, ``add_column`` among them (the index restarts in every shard);
-    ``""`` for any other."""
+    a source is exhausted, and the short ones cycled, elsewhere), ``batch`` (its batches would
+    end at every shard's end) and ``map`` or ``filter`` with ``with_indices=True``,
+    ``add_column`` among them (the index restarts in every shard); ``""`` for any other."""
     kind = type(step).__name__
     if kind in ("TakeExamplesIterable", "SkipExamplesIterable"):
         return f"{kind[:4].lower()}(n)"
     if "CyclingMultiSources" in kind:
         strategy = getattr(step, "stopping_strategy", "?")
         return f"interleave_datasets(..., stopping_strategy={strategy!r})"
+    if getattr(step, "function", None) in _regrouping():
+        return "batch(n) (give the loader batch_size=n instead)"
     if getattr(step, "with_indices", False):
         if "Filtered" in kind:
             return "filter(..., with_indices=True)"
         return "map(..., with_indices=True) (add_column is one)"
     return ""
+
+
+def _regrouping() -> tuple[Any, ...]:
+    """The functions ``IterableDataset.batch()`` maps with (batched), where ``datasets`` has
+    them."""
+    from datasets import iterable_dataset
+
+    return tuple(function for name in ("_batch_fn", "_batch_arrow_table")
+                 if (function := getattr(iterable_dataset, name, None)) is not None)
 
 
 def _examples(dataset: HFIterableDataset) -> Iterator[Any]:

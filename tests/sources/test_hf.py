@@ -326,6 +326,7 @@ def test_lengths_are_unknown_when_the_pipeline_can_drop_or_add_rows(pipeline) ->
     (lambda d: datasets.interleave_datasets([d, d.map(double)]), "first_exhausted"),
     (lambda d: datasets.interleave_datasets([d, d.take(3)], stopping_strategy="all_exhausted"),
      "all_exhausted"),
+    (lambda d: d.batch(3), r"batch\(n\)"),
     (lambda d: d.add_column("label", list(range(100, 100 + N))), "map.*with_indices=True"),
     (lambda d: d.filter(lambda _, i: i % 2 == 0, with_indices=True),
      "filter.*with_indices=True")])
