@@ -302,6 +302,24 @@ def test_a_batch_with_every_sample_skipped_is_not_delivered_but_counted(workers)
         assert loader.state_dict()["batches"] == 3 and loader.num_skipped == 2
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_on_several_ranks_a_batch_with_every_sample_skipped_is_refused(workers) -> None:
+    """Left out, it would leave that rank a batch short of the others: a DDP step would
+    wait for it forever. The rank whose batch still has samples delivers it."""
+    def make(rank: int) -> ResumableLoader:
+        return ResumableLoader(WholeBatchFails(8), batch_size=2, num_workers=workers,
+                               on_error="skip", rank=rank, world_size=2)
+
+    assert [indices(b) for b in make(0)] == [[0, 1], [4, 5]]
+    with make(1) as loader:
+        with pytest.raises(SampleFetchError, match=r"every sample of batch 0 \(epoch 0\) "
+                           r"failed on rank 1.*index 3: RuntimeError.*wait for it") as caught:
+            next(iter(loader))
+        assert (caught.value.batch, caught.value.rank, caught.value.cause_type) == (
+            0, 1, "RuntimeError")
+        assert loader.state_dict()["batches"] == 0 and loader.num_skipped == 0
+
+
 def test_skip_still_raises_collate_errors() -> None:
     with pytest.raises(SampleFetchError, match="collate_fn"):
         list(ResumableLoader(SomeFail(10), batch_size=4, on_error="skip",

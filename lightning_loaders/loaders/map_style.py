@@ -31,7 +31,7 @@ from lightning_loaders.collectives import gather_by_rank
 from lightning_loaders.engines.faults import Failed, Skipped, SkippedSample
 from lightning_loaders.engines.fetch import BatchFetcher, Numbered, Unbatched
 from lightning_loaders.engines.pool import InProcess, WorkerLost, WorkerStalled
-from lightning_loaders.errors import StateMismatchError
+from lightning_loaders.errors import SampleFetchError, StateMismatchError
 from lightning_loaders.loaders.delivery import SequentialEpochSampler, SizedEpochSampler
 from lightning_loaders.loaders.options import unbatched_conversion
 from lightning_loaders.loaders.out_of_order import (
@@ -394,7 +394,10 @@ class MapStyleLoader(ResumableLoader):
         if kind is not Skipped:
             self._recent_skips.append(0)
             return item
-        rank = self.schedule.placement[0]
+        rank, world_size = self.schedule.placement
+        if item.empty and world_size > 1:
+            self._close_after_error()  # the cursor stays on the batch, as after an error
+            raise _emptied(item.skipped, rank)
         for sample in item.skipped:
             _log.warning("skipped sample index %d (epoch %d position %d, batch %d) on rank %d: "
                          "%s", sample.index, sample.epoch, sample.position, sample.batch, rank,
@@ -501,3 +504,16 @@ def _saved_skip_count(parts: Mapping[str, Any]) -> int:
             f"corrupted loader state: parts[{_SKIPPED!r}]={count!r} is not an int >= 0")
     return count
 
+
+def _emptied(skipped: tuple[SkippedSample, ...], rank: int) -> SampleFetchError:
+    """The error for a batch whose every sample failed under ``on_error="skip"`` on one of
+    several ranks: left out, it would leave this rank a batch short of the others, whose next
+    collective (a DDP step) would wait for it forever."""
+    first = skipped[0]
+    errors = "; ".join(f"index {sample.index}: {sample.error}" for sample in skipped)
+    return SampleFetchError(
+        f"every sample of batch {first.batch} (epoch {first.epoch}) failed on rank {rank} "
+        f"under on_error='skip' ({errors}): left out, it would give this rank one batch fewer "
+        "than the other ranks, and a distributed step would wait for it forever. Fix or drop "
+        "those samples (in the dataset), or use a larger batch_size", epoch=first.epoch,
+        batch=first.batch, rank=rank, cause_type=first.error.partition(":")[0])

@@ -45,7 +45,8 @@ class ResumableLoader(WorkerLoader):
             sample (dataset index and epoch position), batch, epoch, worker and rank, chained to
             the original exception (with the worker's traceback). ``"skip"``: a sample whose
             fetch raises is left out of its batch (which is then shorter; a batch with no sample
-            left is not delivered) and recorded in ``skipped``. Skipping is deterministic when
+            left is not delivered, or raises on more than one rank, which would otherwise wait
+            for it) and recorded in ``skipped``. Skipping is deterministic when
             the same samples always fail, and a resume skips them again; ``collate_fn`` errors
             are always raised.
         max_worker_restarts: a worker process that dies (killed by a signal, e.g. the
