@@ -30,8 +30,8 @@ Lifetime: slots are named ``ll_ring_<main pid>_<worker pid>_<slot>_<generation>`
 process unlinks a slot's name as soon as it has mapped it (mappings keep the memory until both
 sides close them, and the batches viewing it are gone); ``RingReader.close`` unlinks what is
 left of its workers' slots (one killed before its slot was read, results never received); a
-worker unlinks its own at exit (when the main process was killed). Only the death of the main
-process and a worker together can leave a named slot behind.
+worker unlinks its own at exit when the main process is gone (killed). Only the death of the
+main process and a worker together can leave a named slot behind.
 """
 
 from __future__ import annotations
@@ -362,7 +362,7 @@ class _Ring:
     pending: _Arena | None = None  # the slot of the result being made, until it is packed
 
     def __post_init__(self) -> None:
-        mp_util.Finalize(self, self.unlink_all, exitpriority=100)
+        mp_util.Finalize(self, self._unlink_if_orphaned, exitpriority=100)
 
     def arena(self, need: int) -> _Arena | None:
         """The slot the result being made is collated into (at least ``need`` bytes of room
@@ -466,6 +466,27 @@ class _Ring:
         for slot in self.slots:
             if slot is not None:
                 _unlink(slot.name)
+
+    def _unlink_if_orphaned(self) -> None:
+        """At the worker's exit, unlink its slots if the main process is gone. While it runs,
+        it may still have to map a slot sent before the exit (a worker leaving through
+        ``SystemExit`` from a dataset), and unlinks what is left itself when it closes."""
+        if not _alive(self.owner):
+            self.unlink_all()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: a killed main process stays a zombie until its parent
+    reaps it (which may wait for its workers' pipes to close), and is gone for us."""
+    try:
+        os.kill(pid, 0)
+    except OSError:  # no such process, or its pid is another user's now
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] != b"Z"
+    except OSError:  # no /proc here
+        return True
 
 
 class _Pickler(ForkingPickler):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import math
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -328,6 +329,31 @@ def test_a_killed_worker_is_recovered_exactly_and_leaves_no_slot() -> None:
     loader.close()
     del batch  # the last batch delivered views its slot until it dies
     _assert_no_ring_left()
+
+
+def _packs_then_exits(packer: RingPacker) -> None:
+    """A worker process: sends one batch in a slot of its ring, then leaves through
+    ``SystemExit`` (as a dataset calling ``sys.exit`` makes it)."""
+    packer.install()
+    packer(_collate([_sample(i) for i in range(3)]))
+    sys.exit(3)
+
+
+@needs_shm
+def test_a_worker_leaving_through_sys_exit_keeps_the_slots_it_sent() -> None:
+    """Its exit ran the ring's clean-up, which unlinked the slot of a batch it had sent and
+    the main process had not mapped yet (a raw ``FileNotFoundError`` then, not the crash's
+    recovery): while the main process lives, the slots are its to unlink."""
+    worker = multiprocessing.get_context("spawn").Process(target=_packs_then_exits,
+                                                         args=(RingPacker(slots=2),))
+    worker.start()
+    worker.join(60)
+    assert worker.exitcode == 3
+    sent = [name for name in ring_files(os.getpid())
+            if name.startswith(f"ll_ring_{os.getpid()}_{worker.pid}_")]
+    for name in sent:
+        os.unlink(os.path.join(transport.SHM_DIR, name))
+    assert len(sent) == 1
 
 
 @needs_shm
