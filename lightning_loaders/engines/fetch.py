@@ -19,7 +19,9 @@ Fetch paths, fastest first (each gives exactly what ``default_collate`` of the s
    batches at a time: ``gathered``); no user code runs, so no RNG is seeded and no sample
    context is set.
 2. *getitems*: a dataset's own ``__getitems__`` gets the batch's indices in one call.
-3. *per sample*: ``dataset[i]`` for every index, with ``sample_context()`` set.
+3. *per sample*: ``dataset[i]`` for every index, with ``sample_context()`` set (in a batch,
+   a ``Subset``'s or ``StackDataset``'s samples are read from the datasets they wrap, as
+   their ``__getitems__`` reads them for ``DataLoader``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Callable, Iterator
+from functools import partial
 from itertools import accumulate, islice
 from typing import Any, Literal, NamedTuple
 
@@ -89,6 +92,7 @@ class BatchFetcher(Dataset[Any]):
         self._gather = _checked_gather(dataset) if default and batched else None
         self._getitems = (dataset.__getitems__ if batched and _has_own_getitems(dataset)
                           else None)
+        self._read = _sample_read(dataset) if batched else dataset.__getitem__
 
     def numbering(self) -> BatchFetcher:
         """A copy whose results are ``Numbered`` with their batch (for workers that may
@@ -198,7 +202,7 @@ class BatchFetcher(Dataset[Any]):
         context published once (``sample_context()`` counts the samples fetched so far, so the
         loop does nothing else per sample). With ``on_error="skip"`` a failing sample is
         recorded and the loop goes on after it."""
-        get = read or self.dataset.__getitem__
+        get = read or self._read
         indices = request.indices.tolist()
         samples: list[Any] = []
         append = samples.append
@@ -447,11 +451,43 @@ def _same_batch(got: Any, expected: Any) -> bool:
 def _has_own_getitems(dataset: Any) -> bool:
     """Whether ``dataset`` batches its own fetches: torch's ``Subset`` and ``StackDataset``
     and our ``Mix`` only forward ``__getitems__``, so over per-sample datasets they would hide
-    the per-sample context (``sample_rng()``), and the per-sample path is used instead."""
-    if isinstance(dataset, Subset):
+    the per-sample context (``sample_rng()``), and the per-sample path is used instead. A
+    subclass that overrides ``__getitems__`` batches its own (``DataLoader`` calls it)."""
+    if _forwards(dataset, Subset):
         return _has_own_getitems(dataset.dataset)
-    if isinstance(dataset, StackDataset | Mix):
+    if _forwards(dataset, StackDataset) or _forwards(dataset, Mix):
         parts = dataset.datasets if isinstance(dataset, StackDataset) else dataset.sources
-        return all(_has_own_getitems(d) for d in (parts.values() if isinstance(parts, dict)
-                                                   else parts))
+        return all(_has_own_getitems(d) for d in _members(parts))
     return callable(getattr(dataset, "__getitems__", None))
+
+
+def _forwards(dataset: Any, kind: type) -> bool:
+    """Whether ``dataset`` is a ``kind`` whose ``__getitems__`` is ``kind``'s own."""
+    return isinstance(dataset, kind) and (getattr(type(dataset), "__getitems__", None)
+                                          is getattr(kind, "__getitems__", None))
+
+
+def _members(parts: Any) -> list[Any]:
+    """The datasets a ``StackDataset`` (tuple or dict) or a ``Mix`` holds."""
+    return list(parts.values() if isinstance(parts, dict) else parts)
+
+
+def _sample_read(dataset: Any) -> Callable[[int], Any]:
+    """How a batched fetch reads one sample of ``dataset`` on the per-sample path."""
+    if _forwards(dataset, Subset) or _forwards(dataset, StackDataset):
+        return partial(_read_through, dataset)  # a partial, not a closure: it pickles
+    return dataset.__getitem__
+
+
+def _read_through(dataset: Any, index: int) -> Any:
+    """Sample ``index`` as ``DataLoader``'s batched fetch reads it: through torch's forwarding
+    ``__getitems__`` of a ``Subset`` or ``StackDataset`` down to the datasets they wrap, so a
+    subclass's own ``__getitem__`` is not called (it is with ``batch_size=None``)."""
+    if _forwards(dataset, Subset):
+        return _read_through(dataset.dataset, dataset.indices[index])
+    if not _forwards(dataset, StackDataset):
+        return dataset[index]
+    parts = dataset.datasets
+    if isinstance(parts, dict):
+        return {key: _read_through(part, index) for key, part in parts.items()}
+    return tuple(_read_through(part, index) for part in parts)

@@ -344,3 +344,43 @@ def test_loader_over_subset_matches_dataloader() -> None:
     theirs = [b.tolist() for b in DataLoader(Subset(list(range(N)), subset.indices),
                                              batch_size=4)]
     assert ours == theirs
+
+
+class _TaggedSubset(Subset[int]):
+    """Overrides ``__getitems__``: a batch-level read that ``DataLoader`` calls."""
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        return [("batched", self.dataset[self.indices[i]]) for i in indices]
+
+
+class _TaggedStack(StackDataset):
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        return [("batched", *(d[i] for d in self.datasets)) for i in indices]
+
+
+@pytest.mark.parametrize("dataset", [_TaggedSubset(list(range(10, 15)), [4, 3, 2, 1]),
+                                     _TaggedStack(list(range(5)), list(range(10, 15)))],
+                         ids=["Subset", "StackDataset"])
+def test_a_subclass_getitems_is_called_as_dataloader_calls_it(dataset: Any) -> None:
+    ours = list(ResumableLoader(dataset, batch_size=2, collate_fn=list))
+    assert ours == list(DataLoader(dataset, batch_size=2, collate_fn=list))
+    assert all(sample[0] == "batched" for batch in ours for sample in batch)
+
+
+class _TaggedItems(StackDataset):
+    """Overrides only ``__getitem__``: ``DataLoader``'s batched fetch goes through
+    ``StackDataset.__getitems__`` to the parts and never calls it."""
+
+    def __getitem__(self, index: int) -> Any:
+        return ("item", *super().__getitem__(index))
+
+
+@pytest.mark.parametrize("batch_size", [2, None])
+def test_a_stack_subclass_getitem_is_used_where_dataloader_uses_it(batch_size: int | None
+                                                                   ) -> None:
+    stacked = _TaggedItems(list(range(5)), list(range(10, 15)))
+    for dataset in (stacked, Subset(stacked, [4, 0, 2])):
+        ours = list(ResumableLoader(dataset, batch_size=batch_size, collate_fn=list))
+        assert ours == list(DataLoader(dataset, batch_size=batch_size, collate_fn=list))
+    fetcher = pickle.loads(pickle.dumps(BatchFetcher(stacked, list, seed=0)))  # spawned workers
+    assert fetcher[_request([3, 1])] == [(3, 13), (1, 11)]
