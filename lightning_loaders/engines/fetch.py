@@ -54,9 +54,10 @@ from lightning_loaders.sources.tables import TableDataset
 
 __all__ = ["BatchFetcher", "Numbered", "Unbatched"]
 
-Unbatched = Literal["", "sample", "bulk"]
+Unbatched = Literal["", "sample", "bulk", "tuple"]
 """How a fetch with ``batch_size=None`` reads: ``""`` batched (collate a list of samples),
-``"sample"`` one sample per request, ``"bulk"`` the whole request in one ``dataset[list]``."""
+``"sample"`` one sample per request, ``"bulk"`` the whole request in one ``dataset[list]``,
+``"tuple"`` the whole request as one key, ``dataset[tuple]``."""
 
 
 class Numbered(NamedTuple):
@@ -162,7 +163,7 @@ class BatchFetcher(Dataset[Any]):
         with seeded_fetch(self.seed, request.epoch, request.batch, request.rank):
             skipped: list[SkippedSample] = []
             getitems = self._getitems
-            if self.unbatched == "bulk":
+            if self.unbatched in ("bulk", "tuple"):
                 return self._collate(request, self._fetch_bulk(request))
             if getitems is not None:
                 samples = self._fetch_batch(request, getitems, skipped)
@@ -178,9 +179,11 @@ class BatchFetcher(Dataset[Any]):
 
     def _fetch_bulk(self, request: BatchRequest) -> Any:
         """``dataset[indices]``: the dataset reads the whole planned batch itself (bulk
-        loading with ``batch_size=None`` and a sampler that yields lists of indices)."""
+        loading with ``batch_size=None`` and a sampler that yields lists of indices), or
+        ``dataset[tuple(indices)]``, one key, for a sampler that yields tuples."""
+        indices = request.indices.tolist()
         try:
-            return self.dataset[request.indices.tolist()]
+            return self.dataset[tuple(indices) if self.unbatched == "tuple" else indices]
         except Exception as exc:
             raise _fetch_error(request, None, exc, "__getitem__") from exc
 

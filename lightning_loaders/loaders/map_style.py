@@ -43,11 +43,11 @@ from lightning_loaders.loaders.out_of_order import (
 from lightning_loaders.loaders.resumable import LoaderOptions, ResumableLoader
 from lightning_loaders.orders.base import SampleOrder, SequentialOrder, ShuffledOrder
 from lightning_loaders.orders.from_torch import (
+    bulk_key,
     order_from_sampler,
     placement_from_sampler,
     sampler_signature,
     unbatched_sampler,
-    yields_batches,
 )
 from lightning_loaders.schedule.audit import AUDIT
 from lightning_loaders.schedule.map_plan import LastBatch
@@ -456,14 +456,16 @@ class _RequestSampler(Sampler[BatchRequest]):
 def _unbatched(options: LoaderOptions, dataset_len: int, seed: int
                ) -> tuple[Unbatched, LoaderOptions]:
     """``batch_size=None`` (``DataLoader``'s unbatched loading): one sample per index of the
-    sampler, or ``dataset[list]`` per list of a sampler that yields lists (bulk loading),
-    converted by ``collate_fn`` (``default_convert`` by default), never collated."""
+    sampler, ``dataset[list]`` per list of a sampler that yields lists (bulk loading), or
+    ``dataset[tuple]`` per tuple (one key), converted by ``collate_fn`` (``default_convert``
+    by default), never collated."""
     collate_fn = unbatched_conversion(options)
     sampler = options.sampler
-    if sampler is not None and yields_batches(sampler):
+    key = "" if sampler is None else bulk_key(sampler)
+    if key:
         inner, size, drop_last = unbatched_sampler(sampler, seed)
-        return "bulk", replace(options, sampler=inner, batch_size=size, drop_last=drop_last,
-                               collate_fn=collate_fn)
+        return key, replace(options, sampler=inner, batch_size=size, drop_last=drop_last,
+                            collate_fn=collate_fn)
     return "sample", replace(options, batch_size=1, collate_fn=collate_fn)
 
 

@@ -95,13 +95,13 @@ class ResumableLoader(WorkerLoader):
 
     ``batch_size=None`` loads unbatched, as in ``DataLoader``: each sampled index gives one
     sample (``collate_fn`` defaults to ``default_convert``); a sampler that yields lists of
-    indices gives ``dataset[list]`` (bulk loading); an iterable dataset's items come as they
-    are (ready-made batches). ``batch_sampler`` may be any iterable of
-    index lists. ``in_order=False`` delivers batches as workers finish them (one slow sample no
-    longer stalls the others) and stays exactly resumable: the state records which batches
-    past the first undelivered one were already delivered, and a resume delivers exactly the
-    others (for an iterable dataset, when it is planned over canonical partitions; others warn
-    and stay in order).
+    indices gives ``dataset[list]`` (bulk loading), one that yields tuples ``dataset[tuple]``
+    (each tuple one key); an iterable dataset's items come as they are (ready-made batches).
+    ``batch_sampler`` may be any iterable of index lists. ``in_order=False`` delivers batches as
+    workers finish them (one slow sample no longer stalls the others) and stays exactly
+    resumable: the state records which batches past the first undelivered one were already
+    delivered, and a resume delivers exactly the others (for an iterable dataset, when it is
+    planned over canonical partitions; others warn and stay in order).
 
     ``timeout`` raises ``WorkerTimeoutError`` naming the worker whose batch is late. Workers
     stop on ``close()`` (also used as ``with loader:``), when the loader is collected, and when

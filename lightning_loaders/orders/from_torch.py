@@ -7,7 +7,7 @@ differently, so they are drawn once per epoch instead (``drawn_orders``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -31,11 +31,11 @@ from lightning_loaders.orders.random import (
 )
 
 __all__ = [
+    "bulk_key",
     "order_from_sampler",
     "placement_from_sampler",
     "sampler_signature",
     "unbatched_sampler",
-    "yields_batches",
 ]
 
 _INDEX_SAMPLERS = (SequentialSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler,
@@ -130,15 +130,21 @@ def placement_from_sampler(sampler: Any) -> tuple[int, int] | None:
     return None
 
 
-def yields_batches(sampler: Any) -> bool:
-    """Whether ``sampler`` yields lists of indices (bulk loading with ``batch_size=None``)
-    rather than indices: torch's ``BatchSampler`` does; torch's index samplers and orders do
-    not; any other sampler is asked for its first item."""
+def bulk_key(sampler: Any) -> Literal["", "bulk", "tuple"]:
+    """What each item of ``sampler`` is with ``batch_size=None``: ``""`` an index (torch's
+    index samplers and orders); ``"bulk"`` a list of indices read in one ``dataset[list]``
+    (bulk loading: torch's ``BatchSampler``, items that are lists, 1-D arrays or tensors);
+    ``"tuple"`` one key made of indices, which ``DataLoader`` passes as it is
+    (``dataset[(i, j)]``: a 2-D array's element, a dict keyed by tuples). Any other sampler
+    is asked for its first item."""
     if isinstance(sampler, BatchSampler):
-        return True
+        return "bulk"
     if isinstance(sampler, SampleOrder) or type(sampler) in _INDEX_SAMPLERS:
-        return False
+        return ""
     first = next(iter(sampler), None)
-    if isinstance(first, list | tuple):
-        return True
-    return isinstance(first, np.ndarray | torch.Tensor) and first.ndim == 1
+    if isinstance(first, tuple):
+        return "tuple"
+    if isinstance(first, list) or (isinstance(first, np.ndarray | torch.Tensor)
+                                   and first.ndim == 1):
+        return "bulk"
+    return ""

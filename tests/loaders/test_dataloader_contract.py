@@ -7,6 +7,7 @@ import copy
 import pickle
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import (
@@ -63,6 +64,17 @@ def test_batch_size_none_with_a_batch_yielding_sampler_is_bulk_loading(drop_last
     ours = ResumableLoader(data, batch_size=None, sampler=sampler)
     assert _plain(ours) == _plain(DataLoader(data, batch_size=None, sampler=sampler))
     assert len(ours) == len(sampler) == 4 - drop_last
+
+
+@pytest.mark.parametrize("dataset", [np.arange(16).reshape(4, 4), {(0, 1): "a", (2, 3): "b"}],
+                         ids=["2-D array", "dict keyed by tuples"])
+def test_batch_size_none_passes_a_tuple_as_one_key_like_dataloader(dataset: Any) -> None:
+    """A sampler's tuple is one key, ``dataset[(i, j)]``, not a list of indices."""
+    sampler = [(0, 1), (2, 3)]
+    ours = _plain(ResumableLoader(dataset, batch_size=None, sampler=sampler))
+    assert ours == _plain(DataLoader(dataset, batch_size=None, sampler=sampler))
+    check_resume_at_every_step(
+        lambda: ResumableLoader(dataset, batch_size=None, sampler=sampler), epochs=2)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -16,7 +16,7 @@ from torch.utils.data import (
 from lightning_loaders import ResumableLoader
 from lightning_loaders.orders.base import SequentialOrder, ShuffledOrder
 from lightning_loaders.orders.drawn import DrawnBatchOrder, DrawnOrder
-from lightning_loaders.orders.from_torch import order_from_sampler, unbatched_sampler
+from lightning_loaders.orders.from_torch import bulk_key, order_from_sampler, unbatched_sampler
 from lightning_loaders.orders.random import (
     RepeatedShuffleOrder,
     ReplacementOrder,
@@ -161,3 +161,14 @@ def test_other_batch_samplers_are_drawn_and_laid_end_to_end() -> None:
     assert isinstance(order, DrawnBatchOrder)
     assert (batch_size, drop_last, len(order)) == (2, False, N)
     assert sorted(order.indices(0, np.arange(N)).tolist()) == list(range(N))
+
+
+@pytest.mark.parametrize("sampler, key", [
+    (SequentialSampler(DS), ""), ([3, 1], ""),
+    (BatchSampler(SequentialSampler(DS), 2, False), "bulk"), ([[0, 1], [2, 3]], "bulk"),
+    ([np.array([0, 1])], "bulk"), ([torch.tensor([0, 1])], "bulk"),
+    ([(0, 1), (2, 3)], "tuple"),
+], ids=["index sampler", "indices", "BatchSampler", "lists", "arrays", "tensors", "tuples"])
+def test_bulk_key_tells_indices_lists_and_tuple_keys_apart(sampler: Any, key: str) -> None:
+    """With batch_size=None, DataLoader passes each item to dataset[...]: a tuple as one key."""
+    assert bulk_key(sampler) == key
