@@ -98,6 +98,7 @@ from torch.utils.data import Sampler
 from lightning_loaders.collectives import agree_min, gather_by_rank
 from lightning_loaders.engines.pool import WorkerLost, WorkerStalled
 from lightning_loaders.engines.shard_reader import SlotFetcher
+from lightning_loaders.engines.transport import worker_collate
 from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.loaders.delivery import EpochSampler
 from lightning_loaders.loaders.options import LoaderOptions, unbatched_conversion
@@ -237,6 +238,7 @@ class ResumableIterableLoader(ResumableLoader):
         if unbatched is not None:  # DataLoader's surface
             self.batch_size = None  # type: ignore[assignment]
             self.collate_fn = unbatched.fn
+        self._collating = self.collate_fn
         self._warned_surplus = False
         self._window = DeliveredWindow()  # canonical partitions: batches past the frontier
         self._restored = False  # a loaded window waits for its epoch to open
@@ -307,6 +309,10 @@ class ResumableIterableLoader(ResumableLoader):
     def _open_epoch(self) -> Iterator[Any]:
         schedule = self.schedule
         _check_lengths(self._fetcher.source, schedule.config.lengths)
+        if self._collate_fn_changed():
+            unbatched = self.batch_size is None  # each item converted by collate_fn
+            collate_fn = _Unbatched(self.collate_fn) if unbatched else self.collate_fn
+            self._fetcher.collate_fn = worker_collate(collate_fn, self.shared_ring)
         schedule.begin_epoch()
         self._restored = False
         self._window.resumed(schedule.epoch, schedule.batches)

@@ -268,8 +268,10 @@ class MapStyleLoader(ResumableLoader):
 
     def _open_epoch(self) -> Iterator[Any]:
         self._refresh_order()
-        if self._batch_fetcher is not None and self.gathers_in_memory:
-            self._batch_fetcher = None  # read the data's structure anew (new tensors, indices)
+        if self._batch_fetcher is not None and (self._collate_fn_changed()
+                                                or self.gathers_in_memory):
+            self._batch_fetcher = None  # made anew: the data's structure (new tensors,
+            # indices) read again, or the new collate_fn
         schedule = self.schedule
         self._follow_mix()
         schedule.begin_epoch()
@@ -380,6 +382,7 @@ class MapStyleLoader(ResumableLoader):
     def _fetcher(self) -> BatchFetcher:
         """The batch fetcher (made once: it probes the dataset for the fastest fetch path)."""
         if self._batch_fetcher is None:
+            self._collating = self.collate_fn
             self._batch_fetcher = BatchFetcher(self.dataset, self.collate_fn, self.seed,
                                                self.on_error, self._unbatched,
                                                ring=self.shared_ring)

@@ -59,6 +59,7 @@ class WorkerLoader(DeliveryCore):
     _initialized = False
     _waits = True  # close() waits for the workers (not as an error leaves the loop)
     _autotuner: Autotuner | None = None
+    _collating: Any = None  # the collate_fn the fetcher was made with
     shared_ring = True
     """Worker processes send batches through reusable shared-memory rings
     (``engines.transport``); ``False`` (set before iterating) uses torch's per-batch segments."""
@@ -185,6 +186,16 @@ class WorkerLoader(DeliveryCore):
     def _position(self) -> int:
         """The batch of the current epoch due next on this rank (named in errors)."""
         raise NotImplementedError
+
+    def _collate_fn_changed(self) -> bool:
+        """Whether ``collate_fn`` was reassigned since the fetcher was made (``DataLoader``'s
+        next iterator collates with the new one); the workers, which hold the old one, are
+        then stopped, and new ones start from the cursor."""
+        if self.collate_fn is self._collating:
+            return False
+        self.close()
+        self._collating = self.collate_fn
+        return True
 
     # -- workers ----------------------------------------------------------------------------
 

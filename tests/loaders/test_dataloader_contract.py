@@ -493,6 +493,29 @@ def test_fixed_attributes_cannot_be_set_after_construction(name: str) -> None:
     assert loader.batch_size == 2
 
 
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(4))
+
+
+def _tagged(batch: list[int]) -> tuple[str, list[int]]:
+    return "tagged", list(batch)
+
+
+@pytest.mark.parametrize("make, num_workers", [(lambda: list(range(4)), 0),
+                                               (lambda: list(range(4)), 2), (_Stream, 0)],
+                         ids=["map-style", "map-style in workers", "iterable"])
+def test_a_collate_fn_assigned_between_epochs_collates_the_next_one(make, num_workers) -> None:
+    """As in DataLoader; persistent workers, which hold the old one, are restarted."""
+    def run(loader_class) -> list[Any]:
+        loader = loader_class(make(), batch_size=2, num_workers=num_workers)
+        first = _plain(loader)
+        loader.collate_fn = _tagged
+        return [first, list(loader), list(loader)]
+
+    assert run(ResumableLoader) == run(DataLoader)
+
+
 def test_generic_alias_and_snapshot_every_n_steps() -> None:
     alias = ResumableLoader[int]
     assert alias.__origin__ is ResumableLoader and alias.__args__ == (int,)
