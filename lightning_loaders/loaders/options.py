@@ -8,9 +8,10 @@ built, not minutes later in a worker process or at the first batch.
 from __future__ import annotations
 
 import multiprocessing
+import operator
 import pickle
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import context as mp_context
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal, cast
@@ -24,7 +25,7 @@ from lightning_loaders.loaders.tuned import is_auto
 from lightning_loaders.schedule.map_plan import LastBatch
 
 __all__ = ["BACKENDS", "LoaderOptions", "check_loader_arguments", "check_picklable",
-           "start_method", "unbatched_conversion"]
+           "int_counts", "start_method", "unbatched_conversion"]
 
 BACKENDS: tuple[str, ...] = ("process", "thread", "auto")
 """What ``num_workers`` workers are: worker processes, threads of this process, or
@@ -80,7 +81,7 @@ def check_loader_arguments(*, batch_size: Any, num_workers: Any, timeout: Any,
         raise ValueError(f"snapshot_every_n_steps must be an int >= 1, got "
                          f"{snapshot_every_n_steps!r} (it is accepted and ignored: the state "
                          "is exact at every step)")
-    if not is_auto(num_workers) and (not _is_int(num_workers) or num_workers < 0):
+    if not is_auto(num_workers) and (not _is_index(num_workers) or num_workers < 0):
         raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}: use 0 to load "
                          "in the main process, the number of worker processes to start, or "
                          "'auto' (or an AutotuneConfig) to tune it while loading")
@@ -94,7 +95,7 @@ def check_loader_arguments(*, batch_size: Any, num_workers: Any, timeout: Any,
         if num_workers == 0:
             raise ValueError(f"prefetch_factor={prefetch_factor} needs num_workers > 0 (as in "
                              "DataLoader): set num_workers, or drop prefetch_factor")
-        if not _is_int(prefetch_factor) or prefetch_factor < 1:
+        if not _is_index(prefetch_factor) or prefetch_factor < 1:
             raise ValueError(f"prefetch_factor must be an int >= 1, got {prefetch_factor!r} "
                              "(batches each worker prepares ahead; default 2)")
     if persistent_workers and num_workers == 0:
@@ -124,6 +125,17 @@ def check_loader_arguments(*, batch_size: Any, num_workers: Any, timeout: Any,
     if not _is_int(max_worker_restarts) or max_worker_restarts < 0:
         raise ValueError(f"max_worker_restarts must be an int >= 0, got "
                          f"{max_worker_restarts!r}: use 0 to raise at the first worker crash")
+
+
+def int_counts(options: LoaderOptions) -> LoaderOptions:
+    """``options`` with a checked ``num_workers`` and ``prefetch_factor`` as ints: any integral
+    number (a numpy integer too) is taken, as ``DataLoader`` takes it."""
+    workers = options.num_workers
+    if not isinstance(workers, str | AutotuneConfig):
+        workers = operator.index(workers)
+    prefetch = options.prefetch_factor
+    return replace(options, num_workers=workers,
+                   prefetch_factor=None if prefetch is None else operator.index(prefetch))
 
 
 def unbatched_conversion(options: LoaderOptions) -> Callable[[Any], Any]:
@@ -199,4 +211,13 @@ class _Discard:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_index(value: Any) -> bool:
+    """An integral number that ``operator.index`` takes (a numpy integer too), not a bool."""
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return not isinstance(value, bool)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,6 +37,7 @@ from lightning_loaders.loaders.options import (
     LoaderOptions,
     check_loader_arguments,
     check_picklable,
+    int_counts,
     start_method,
 )
 from lightning_loaders.loaders.tuned import TunedDelivery, autotuner_for
@@ -65,10 +67,14 @@ class WorkerLoader(DeliveryCore):
     (``engines.transport``); ``False`` (set before iterating) uses torch's per-batch segments."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        """Refuse, as ``DataLoader`` does, to change how batches are made once built."""
+        """Refuse, as ``DataLoader`` does, to change how batches are made once built; a start
+        method's name set as ``multiprocessing_context`` is kept as its context, as
+        ``DataLoader`` keeps it."""
         if self._initialized and name in _FIXED:
             raise ValueError(f"{name} attribute should not be set after "
                              f"{type(self).__name__} is initialized: build a new loader")
+        if name == "multiprocessing_context" and isinstance(value, str):
+            value = multiprocessing.get_context(value)
         super().__setattr__(name, value)
 
     def _take_options(self, dataset: Any, options: LoaderOptions, *, drop_last: bool,
@@ -86,6 +92,7 @@ class WorkerLoader(DeliveryCore):
             multiprocessing_context=o.multiprocessing_context, on_error=o.on_error,
             max_worker_restarts=o.max_worker_restarts,
             snapshot_every_n_steps=o.snapshot_every_n_steps, backend=o.backend)
+        o = int_counts(o)
         assert o.batch_size is not None
         self._autotuner = autotuner_for(o.num_workers, o.prefetch_factor)
         tuned = self._autotuner.tuning.setting if self._autotuner else None
@@ -118,7 +125,7 @@ class WorkerLoader(DeliveryCore):
         self.worker_init_fn = o.worker_init_fn
         self.multiprocessing_context = o.multiprocessing_context
         self.generator = o.generator
-        self.prefetch_factor = o.prefetch_factor if tuned is None or tuned.workers else None
+        self.prefetch_factor = (o.prefetch_factor or 2) if num_workers else None  # as torch's
         self.persistent_workers = ((num_workers > 0 or tuned is not None)
                                    and o.persistent_workers is not False)
         self.pin_memory_device = o.pin_memory_device

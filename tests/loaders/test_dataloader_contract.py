@@ -4,6 +4,7 @@ exception type, an explicit ``DistributedSampler``, a growing dataset, the worke
 fixed attributes, ``ResumableLoader[T]`` and ``snapshot_every_n_steps``."""
 
 import copy
+import multiprocessing
 import pickle
 from typing import Any
 
@@ -514,6 +515,22 @@ def test_a_collate_fn_assigned_between_epochs_collates_the_next_one(make, num_wo
         return [first, list(loader), list(loader)]
 
     assert run(ResumableLoader) == run(DataLoader)
+
+
+def test_prefetch_factor_and_multiprocessing_context_read_as_in_dataloader() -> None:
+    """prefetch_factor is DataLoader's default 2 with workers; a start method's name is kept
+    as its context, also when assigned later, and the workers start with it."""
+    for num_workers, prefetch_factor in ((0, None), (2, 2)):
+        for make in (ResumableLoader, DataLoader):
+            assert make(IndexDataset(4), num_workers=num_workers).prefetch_factor == (
+                prefetch_factor)
+    ours, theirs = (make(IndexDataset(4), batch_size=2, num_workers=1,
+                         multiprocessing_context="spawn") for make in (ResumableLoader, DataLoader))
+    spawn = multiprocessing.get_context("spawn")
+    assert ours.multiprocessing_context is theirs.multiprocessing_context is spawn
+    assert _plain(ours) == _plain(theirs)
+    ours.multiprocessing_context = "fork"
+    assert ours.multiprocessing_context is multiprocessing.get_context("fork")
 
 
 def test_generic_alias_and_snapshot_every_n_steps() -> None:

@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import BatchSampler, IterableDataset, SequentialSampler
@@ -176,6 +177,18 @@ def test_what_is_only_risky_elsewhere_is_accepted() -> None:
                     multiprocessing_context="spawn")
     assert start_method(None) in ("fork", "spawn", "forkserver")
 
+
+def test_any_integral_number_is_taken_for_num_workers_and_prefetch_factor() -> None:
+    """As DataLoader takes them (``operator.index``): a numpy integer too, kept as an int; a
+    bool is still refused."""
+    loader = ResumableLoader(IndexDataset(6), batch_size=2, num_workers=np.int64(2),
+                             prefetch_factor=np.int64(3))
+    assert (loader.num_workers, loader.prefetch_factor) == (2, 3)
+    assert type(loader.num_workers) is type(loader.prefetch_factor) is int
+    assert len(list(loader)) == 3
+    for kwargs in ({"num_workers": True}, {"num_workers": 1, "prefetch_factor": True}):
+        with pytest.raises(ValueError, match="must be an int"):
+            ResumableLoader(IndexDataset(6), **kwargs)
 
 # -- saved states --------------------------------------------------------------------------
 
