@@ -154,10 +154,15 @@ class SlotReader:
         return self._piece, self._offset, state
 
     def _skip_finished_pieces(self) -> None:
+        """Move past the pieces read to their stop; an empty piece (a shard declared empty)
+        is opened on the way, to check that it is."""
         while self._piece < len(self._pieces):
-            stop = self._pieces[self._piece].stop
-            if stop is None or self._offset < stop:
+            piece = self._pieces[self._piece]
+            if piece.stop is None or self._offset < piece.stop:
                 return
+            if piece.start == piece.stop:
+                self._it = self._open(piece)
+                self._check_ends_at(piece.shard, piece.stop)
             self._advance()
 
     def _advance(self) -> None:
@@ -180,10 +185,7 @@ class SlotReader:
                 break
             piece = self._pieces[self._piece]
             if self._it is None:
-                self._it = iter(self._source.open_shard(piece.shard, self._offset, self._state))
-                self._it_position, self._state = self._offset, None
-                if isinstance(self._source, PlainStream):
-                    self.head = self._source.opened_head
+                self._it = self._open(piece)
             want = n - len(out)
             if piece.stop is not None:
                 want = min(want, len(range(self._offset, piece.stop, piece.step)))
@@ -196,11 +198,20 @@ class SlotReader:
                 self._offset += len(chunk) * piece.step
                 if piece.stop is not None and self._offset >= piece.stop:
                     self._check_ends_at(piece.shard, piece.stop)
+                    self._skip_finished_pieces()  # checks the empty pieces next (a slot's last too)
             if len(chunk) < want:  # the shard ended
                 if piece.stop is not None:
                     raise ValueError(self._too_short(piece))
                 self._advance()
         return out
+
+    def _open(self, piece: Piece) -> Iterator[Any]:
+        """An iterator over ``piece``'s shard from the current position."""
+        it = iter(self._source.open_shard(piece.shard, self._offset, self._state))
+        self._it_position, self._state = self._offset, None
+        if isinstance(self._source, PlainStream):
+            self.head = self._source.opened_head
+        return it
 
     def _check_ends_at(self, shard: int, stop: int) -> None:
         """Where ``stop`` is the shard's declared length, raise if the shard goes on past it:

@@ -71,9 +71,10 @@ def partition_epoch(config: PlanConfig, epoch: int, partitions: int) -> Partitio
     used = min(total, items * size)
     if items:
         lengths[(items - 1) % partitions] -= items * size - used  # the short last item
+    last = max((c for c, length in enumerate(lengths) if length), default=-1)
     pieces, begin = [], 0
-    for length in lengths:
-        pieces.append(tuple(epoch_pieces(config, epoch, begin, begin + length)))
+    for c, length in enumerate(lengths):
+        pieces.append(tuple(epoch_pieces(config, epoch, begin, begin + length, c == last)))
         begin += length
     return Partitions(tuple(pieces), tuple(lengths), items, size)
 

@@ -145,26 +145,35 @@ def _stream_pieces(config: PlanConfig, epoch: int, begin: int, end: int) -> tupl
         cycle, offset = divmod(position, total)
         order_epoch = cycle if config.last_batch == "rollover" else epoch
         stop = min(end - cycle * total, total)
-        pieces += epoch_pieces(config, order_epoch, offset, stop)
+        pieces += epoch_pieces(config, order_epoch, offset, stop, stop == total)
         position = cycle * total + stop
     return tuple(pieces)
 
 
-def epoch_pieces(config: PlanConfig, epoch: int, begin: int, end: int) -> list[Piece]:
-    """The pieces holding positions ``[begin, end)`` of epoch ``epoch``'s order of samples."""
+def epoch_pieces(config: PlanConfig, epoch: int, begin: int, end: int,
+                 trailing: bool = False) -> list[Piece]:
+    """The pieces holding positions ``[begin, end)`` of epoch ``epoch``'s order of samples.
+
+    A shard declared empty at a position in ``[begin, end)`` (``trailing``, for the range that
+    ends what is read of the order: from ``begin`` on) is an empty piece, so that the reader
+    opens it and checks it is: its samples, if it has any, would be lost in silence.
+    """
     assert config.lengths is not None
     order = shard_order(config, epoch)
     lengths = np.asarray(config.lengths, dtype=np.int64)[order]
     ends = np.cumsum(lengths)
-    index = int(np.searchsorted(ends, begin, side="right"))
     pieces = []
-    while begin < end:
-        first = int(ends[index] - lengths[index])
-        stop = min(end, int(ends[index]))
-        if stop > begin:
-            pieces.append(Piece(int(order[index]), begin - first, stop - first))
-            begin = stop
-        index += 1
+    for index in range(int(np.searchsorted(ends, begin)), len(order)):
+        shard, first = int(order[index]), int(ends[index] - lengths[index])
+        if lengths[index] == 0:
+            if first < end or trailing:
+                pieces.append(Piece(shard, 0, 0))
+        elif first < end:
+            start, stop = max(begin, first), min(end, int(ends[index]))
+            if stop > start:
+                pieces.append(Piece(shard, start - first, stop - first))
+        elif not trailing:
+            break
     return pieces
 
 
@@ -291,7 +300,7 @@ def locate(pieces: Sequence[Piece], emitted: int) -> tuple[int, int]:
     """``(piece, offset in its shard)`` of a known-length slot's sample ``emitted``."""
     for index, piece in enumerate(pieces):
         n = len(piece)
-        if emitted < n:
+        if emitted < n or emitted == 0:  # an empty piece at the start is still read (checked)
             return index, piece.start + emitted * piece.step
         emitted -= n
     return len(pieces), 0

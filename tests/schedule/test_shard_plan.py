@@ -105,3 +105,18 @@ def testdelivered_counts_follow_the_round_robin_order() -> None:
     for delivered in range(len(order) + 1):
         assert delivered_counts(batches, delivered) == [
             sum(1 for _, w in order[:delivered] if w == slot) for slot in range(3)]
+
+
+def test_rollover_reads_each_shard_declared_empty_once_a_cycle_as_an_empty_piece() -> None:
+    """The reader opens an empty piece to check the shard is empty (its samples, if it has
+    any, would be lost in silence): each such shard is in one slot per pass, first or last
+    of the order too."""
+    lengths = [0, 7, 23, 0, 4, 15, 11, 0]
+    for shuffle in (False, True):
+        config = PlanConfig(tuple(lengths), len(lengths), False, 4, "rollover", shuffle, 3)
+        empty: Counter[int] = Counter()
+        for epoch in range(4):  # 4 passes over the 60 samples in global batches of 8
+            layout = plan_epoch(config, epoch, 2, 2)
+            empty.update(piece.shard for rank in layout.pieces for pieces in rank
+                         for piece in pieces if piece.start == piece.stop)
+        assert empty == {0: 4, 3: 4, 7: 4}
