@@ -46,7 +46,7 @@ from lightning_loaders.collectives import gather_by_rank
 from lightning_loaders.hashing import seed32
 from lightning_loaders.loaders.delivery import DeliveryCore, EpochSampler
 from lightning_loaders.orders.base import SampleOrder, SequentialOrder, ShuffledOrder
-from lightning_loaders.orders.from_torch import order_from_sampler
+from lightning_loaders.orders.from_torch import SamplerEpochs, order_from_sampler
 from lightning_loaders.placement import resolve_device, resolve_rank_world
 from lightning_loaders.schedule.map_plan import LastBatch
 from lightning_loaders.schedule.map_schedule import MapSchedule, resolve_seed
@@ -167,6 +167,7 @@ class DALILoader(DeliveryCore):
             self._schedule = self._make_schedule(self._order(sampler, bool(shuffle),
                                                              len(dataset)))
         self._pending_epoch: int | None = None  # reader mode: set_epoch before the schedule
+        self._user_samplers = SamplerEpochs(sampler)
         self._restore: Restore | None = None
         self._closed: tuple[Placement, dict[str, Any]] | None = None  # the pipeline close() shut
         self._engine = EngineBox()

@@ -7,7 +7,9 @@ batches). What users and Lightning see is the same for all of them and lives her
   first ``next()`` (Lightning calls ``iter()`` once extra during setup);
 - a batch is counted when it is handed to the caller, never when it is prefetched, and batches
   a prefetching trainer holds are left out of ``state_dict()``;
-- ``sampler.set_epoch`` (what Lightning calls), ``epoch``, ``len()``;
+- ``sampler.set_epoch`` (what Lightning calls), ``epoch``, ``len()``; the ``set_epoch`` of a
+  sampler the user passed, when they call it on their own object (the ``DistributedSampler``
+  idiom: ``SamplerEpochs``);
 - ``close()``, ``with``, and Lightning's loop teardown; an iterator used after ``close()`` or
   after an error goes on from the cursor;
 - ``repr()`` says where the loader is.
@@ -29,6 +31,7 @@ from typing import Any, Protocol, Self
 from torch.utils.data import SequentialSampler
 
 from lightning_loaders.loaders.prefetch import find_prefetcher, fit_epoch, held_after
+from lightning_loaders.orders.from_torch import SamplerEpochs
 from lightning_loaders.state import PARTS
 
 __all__ = [
@@ -71,13 +74,14 @@ class Schedule(Protocol):
 class DeliveryCore:
     """The loader surface shared by every loader (see the module docstring).
 
-    A subclass sets ``schedule``, ``seed`` and ``sampler`` and implements ``_open_epoch``,
-    ``_reopen`` and ``_describe``.
+    A subclass sets ``schedule``, ``seed`` and ``sampler`` (and ``_user_samplers``, when the
+    user passed samplers) and implements ``_open_epoch``, ``_reopen`` and ``_describe``.
     """
 
     schedule: Schedule
     seed: int
     sampler: Any
+    _user_samplers: SamplerEpochs | None = None  # whose own set_epoch asks for an epoch
     _iter_token = 0
     _generation = 0  # bumped by close(): iterators then go on from the cursor
     _prefetcher: weakref.ref[Any] | None = None
@@ -182,6 +186,15 @@ class DeliveryCore:
         if value is None:
             self.close()
 
+    def _begin(self) -> Iterator[Any]:
+        """``_open_epoch``, after asking (as ``set_epoch``) for the epoch the user set on a
+        sampler they passed, if they changed it: the ``DistributedSampler`` loop calls
+        ``sampler.set_epoch(epoch)`` on its own sampler, not on ``loader.sampler``."""
+        epoch = None if self._user_samplers is None else self._user_samplers.changed()
+        if epoch is not None:
+            self.set_epoch(epoch)
+        return self._open_epoch()
+
     def _open_epoch(self) -> Iterator[Any]:
         """Decide which epoch and batch come next (``schedule.begin_epoch()``) and return the
         rest of that epoch, each batch counted as it is handed over."""
@@ -236,7 +249,7 @@ class Delivery:
         if loader._iter_token != self._token:
             raise RuntimeError("this iterator was replaced by a newer iter() on its loader")
         if self._batches is None or self._generation != loader._generation:
-            self._batches = loader._reopen() if self._started else loader._open_epoch()
+            self._batches = loader._reopen() if self._started else loader._begin()
             self._started = True
             self._generation = loader._generation
         try:

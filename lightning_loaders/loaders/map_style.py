@@ -43,6 +43,7 @@ from lightning_loaders.loaders.out_of_order import (
 from lightning_loaders.loaders.resumable import LoaderOptions, ResumableLoader
 from lightning_loaders.orders.base import SampleOrder, SequentialOrder, ShuffledOrder
 from lightning_loaders.orders.from_torch import (
+    SamplerEpochs,
     bulk_key,
     order_from_sampler,
     placement_from_sampler,
@@ -83,6 +84,7 @@ class MapStyleLoader(ResumableLoader):
                              "it resumes under any layout")
         batch_sampler = options.batch_sampler
         seed = resolve_seed(options.seed, options.generator)
+        self._user_samplers = SamplerEpochs(options.sampler, batch_sampler)
         if batch_sampler is not None:
             o = options
             if o.batch_size != 1 or o.shuffle or o.sampler is not None or o.drop_last:

@@ -4,7 +4,8 @@ A sampler that is not one of torch's built-in ones has no known semantics, so it
 once per epoch on every rank (its first ``len()`` indices, as a trainer that stops at
 ``len()`` would read), after seeding everything it could draw randomness from (its
 ``generator`` attribute and that of a wrapped ``.sampler``, the ``random``/``numpy``/``torch``
-global RNGs) from ``(seed, epoch)`` and calling its ``set_epoch(epoch)`` when it has one. Every
+global RNGs) from ``(seed, epoch)`` and calling its ``set_epoch(epoch)`` when it has one (its
+``epoch`` attribute is then put back: the loader reads the user's ``set_epoch`` there). Every
 rank then holds the same epoch and the global plan gives each rank its slice of every global
 batch. The first draw is made twice to check that the sampler is deterministic given that
 seeding; if not, exact resume and consistent ranks are impossible and a warning says so.
@@ -20,7 +21,7 @@ import operator
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from itertools import islice
 from typing import Any
 
@@ -35,6 +36,7 @@ __all__ = ["DrawnBatchOrder", "DrawnOrder"]
 _TAG = 0x5A3D
 _CACHED_EPOCHS = 2  # rollover plans read two consecutive epochs
 _GENERATOR_DEPTH = 4
+_UNSET = object()  # a sampler without an ``epoch`` attribute
 MAX_DRAWN = 1 << 24
 """The most items an epoch of a sampler without ``len()`` may yield (16.8M)."""
 
@@ -125,7 +127,7 @@ class DrawnOrder:
         return drawn
 
     def _draw(self, epoch: int) -> np.ndarray:
-        with _seeded(self.sampler, self.seed, epoch):
+        with _seeded(self.sampler, self.seed, epoch), _epoch_kept(self.sampler):
             set_epoch = getattr(self.sampler, "set_epoch", None)
             if callable(set_epoch):
                 set_epoch(epoch)
@@ -300,6 +302,20 @@ def _seeded(sampler: Any, seed: int, epoch: int) -> Iterator[None]:
         finally:
             for holder, previous in replaced:
                 holder.generator = previous
+
+
+@contextmanager
+def _epoch_kept(sampler: Any) -> Iterator[None]:
+    """Put the sampler's ``epoch`` attribute back as the user left it: the loader follows the
+    user's ``sampler.set_epoch`` by reading it (``SamplerEpochs``), and the draw's own
+    ``set_epoch`` is not the user's."""
+    epoch = getattr(sampler, "epoch", _UNSET)
+    try:
+        yield
+    finally:
+        if epoch is not _UNSET:
+            with suppress(AttributeError):
+                sampler.epoch = epoch
 
 
 def _warn_if_rank_aware(sampler: Any) -> None:

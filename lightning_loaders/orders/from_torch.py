@@ -2,11 +2,13 @@
 
 torch's own samplers map to exact semantic equivalents computed from ``(seed, epoch, position)``
 (O(1) state, no materialisation). Their subclasses and every other sampler may behave
-differently, so they are drawn once per epoch instead (``drawn_orders``).
+differently, so they are drawn once per epoch instead (``drawn_orders``). The epoch a user sets
+on their own sampler (``set_epoch``, ``DistributedSampler``'s idiom) is read by ``SamplerEpochs``.
 """
 
 from __future__ import annotations
 
+from numbers import Integral
 from typing import Any, Literal
 
 import numpy as np
@@ -31,6 +33,7 @@ from lightning_loaders.orders.random import (
 )
 
 __all__ = [
+    "SamplerEpochs",
     "bulk_key",
     "order_from_sampler",
     "placement_from_sampler",
@@ -105,6 +108,39 @@ def sampler_signature(sampler: Any) -> tuple[Any, ...]:
 def _identity(values: Any) -> tuple[int, int, int | None]:
     """Which sequence ``values`` is: a new one, or a tensor edited in place, differs."""
     return id(values), len(values), getattr(values, "_version", None)
+
+
+class SamplerEpochs:
+    """The epochs a user gives the samplers they passed, through the samplers' own
+    ``set_epoch``: the ``DistributedSampler`` idiom calls it on the user's object, which the
+    loader reads instead of iterating. Followed: every sampler with a ``set_epoch`` (the one a
+    torch ``BatchSampler`` or a drawn batch sampler wraps too) that keeps the epoch as
+    ``DistributedSampler`` does, in an int ``epoch``."""
+
+    def __init__(self, *samplers: Any) -> None:
+        wrapped = [s.sampler for s in samplers if isinstance(s, BatchSampler | DrawnOrder)]
+        given = (*samplers, *wrapped)
+        self._samplers = [s for s in given if callable(getattr(s, "set_epoch", None))]
+        self._read = [0] * len(self._samplers)  # the default: one set before counts too
+
+    def changed(self) -> int | None:
+        """The epoch a sampler was set to since the last call, if one was: a sampler left alone
+        (Lightning sets ``loader.sampler``'s epoch instead) or set to the epoch it had says
+        nothing, so it never overrides the trainer's epoch or a restored cursor."""
+        changed = None
+        for i, sampler in enumerate(self._samplers):
+            epoch = _epoch_of(sampler)
+            if epoch is not None and epoch != self._read[i]:
+                self._read[i] = changed = epoch
+        return changed
+
+
+def _epoch_of(sampler: Any) -> int | None:
+    """``sampler.epoch`` when it is an epoch: an int (numpy's too) from 0."""
+    epoch = getattr(sampler, "epoch", None)
+    if isinstance(epoch, Integral) and not isinstance(epoch, bool) and int(epoch) >= 0:
+        return int(epoch)
+    return None
 
 
 def unbatched_sampler(batch_sampler: Any, seed: int) -> tuple[Any, int, bool]:

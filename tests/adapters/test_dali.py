@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 from lightning.pytorch.utilities import CombinedLoader
-from torch.utils.data import RandomSampler
+from torch.utils.data import DistributedSampler, RandomSampler
 
 pytest.importorskip("nvidia.dali", reason="the pipelines are real DALI ones (nvidia-dali-cuda120)")
 
@@ -378,6 +378,24 @@ def test_a_source_worker_never_finalizes_pipelines_it_inherited(files, mode):
         assert sorted(labels([key(b) for b in loader])) == list(range(N))
     finally:
         gc.enable()
+
+
+def test_set_epoch_on_the_users_own_sampler_chooses_the_epoch(files):
+    """The DDP loop tells its own ``DistributedSampler`` the epoch: a restart at epoch 2 reads
+    epoch 2, not epoch 0 again."""
+    def ddp_loop(epochs: range) -> list[list[int]]:
+        samples = FileSamples(files[:12])
+        sampler = DistributedSampler(samples, num_replicas=1, rank=0)
+        loader = DALILoader(source_pipeline, ["x", "y"], batch_size=4, num_threads=1,
+                            dataset=samples, sampler=sampler, seed=7)
+        out = []
+        for epoch in epochs:
+            sampler.set_epoch(epoch)
+            out.append(labels([key(b) for b in loader]))
+        return out
+
+    full = ddp_loop(range(3))
+    assert full[2] != full[0] and ddp_loop(range(2, 3)) == full[2:]
 
 
 def test_tuple_batches_and_a_trimmed_last_batch(files):

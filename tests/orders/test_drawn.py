@@ -133,6 +133,49 @@ def test_set_epoch_is_called_before_each_draw() -> None:
     assert order.indices(3, np.arange(2)).tolist() == [18, 19]
 
 
+class Rolled(Sampler[int]):
+    """Keeps its epoch as ``DistributedSampler`` does; each epoch rolls the indices by it."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return N
+
+    def __iter__(self):
+        return iter(np.roll(np.arange(N), self.epoch).tolist())
+
+
+def test_the_users_set_epoch_on_a_drawn_sampler_is_followed_and_the_draws_own_is_not() -> None:
+    """The user's ``sampler.set_epoch(2)`` reads epoch 2, as ``DataLoader`` does; the draws'
+    own ``set_epoch`` leaves the sampler's ``epoch`` as the user set it, so it is not taken
+    for the user's (which would abandon a cursor restored afterwards)."""
+    def restarted_at_2(make) -> list[list[int]]:
+        sampler = Rolled()
+        loader = make(IndexDataset(N), sampler=sampler, batch_size=4)
+        out = []
+        for epoch in (2, 3):
+            sampler.set_epoch(epoch)
+            out.append([i for b in loader for i in indices(b)])
+        return out
+
+    assert restarted_at_2(ResumableLoader) == restarted_at_2(DataLoader)
+    sampler = Rolled()
+    sampler.set_epoch(1)
+    loader = ResumableLoader(IndexDataset(N), sampler=sampler, batch_size=4)
+    iterator = iter(loader)
+    next(iterator)
+    state, rest = loader.state_dict(), [indices(b) for b in iterator]
+    for _ in range(2):  # epochs 2 and 3, drawn
+        list(loader)
+    assert loader.epoch == 3 and sampler.epoch == 1
+    loader.load_state_dict(state)
+    assert [indices(b) for b in loader] == rest and loader.epoch == 1
+
+
 @pytest.mark.parametrize("sampler", [iter(range(10)), (i for i in range(10))],
                          ids=["range_iterator", "generator"])
 def test_an_iterator_as_sampler_is_refused_as_read_once(sampler) -> None:

@@ -101,6 +101,82 @@ def test_a_distributed_samplers_drop_last_drops_the_tail_past_equal_shares(
     assert len(seen) == len(set(seen)) == 9
 
 
+def batching(sampler: DistributedSampler, via: str) -> dict[str, Any]:
+    """``sampler`` in batches of 4, as ``sampler=`` or in a ``BatchSampler``."""
+    if via == "batch_sampler":
+        return {"batch_sampler": BatchSampler(sampler, 4, drop_last=False)}
+    return {"sampler": sampler, "batch_size": 4}
+
+
+def ddp_loop(epochs: range, via: str = "sampler", state: dict[str, Any] | None = None,
+             states: list[tuple[int, dict[str, Any]]] | None = None) -> list[list[int]]:
+    """The plain-PyTorch DDP loop: each epoch is told to the user's own ``DistributedSampler``
+    (``loader.sampler`` is another object). ``states`` collects, after every batch, the epoch a
+    restart begins with (the next one after an epoch's last batch) and the loader's state."""
+    sampler = DistributedSampler(DS, num_replicas=1, rank=0)
+    loader = ResumableLoader(DS, seed=3, **batching(sampler, via))
+    if state is not None:
+        loader.load_state_dict(state)
+    out = []
+    for epoch in epochs:
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            out.append(indices(batch))
+            if states is not None:
+                states.append((epoch, loader.state_dict()))
+        if states:
+            states[-1] = (epoch + 1, states[-1][1])
+    return out
+
+
+@pytest.mark.parametrize("via", ["sampler", "batch_sampler"])
+def test_set_epoch_on_the_users_own_distributed_sampler_chooses_the_epoch(via: str) -> None:
+    """As with ``DataLoader``: a job restarted at epoch 3 reads epoch 3 (not epoch 0 again),
+    and so does a loader built after the sampler's ``set_epoch``."""
+    full = ddp_loop(range(4), via)
+    epochs = [full[e * 6:(e + 1) * 6] for e in range(4)]
+    assert len({str(epoch) for epoch in epochs}) == 4
+    assert ddp_loop(range(3, 4), via) == epochs[3]
+    rebuilt = []
+    sampler = DistributedSampler(DS, num_replicas=1, rank=0)
+    for epoch in range(4):
+        sampler.set_epoch(epoch)
+        rebuilt += [indices(b) for b in ResumableLoader(DS, seed=3, **batching(sampler, via))]
+    assert rebuilt == full
+
+
+def test_the_ddp_loop_resumes_exactly_from_every_step() -> None:
+    """Restored, then told the saved epoch through the sampler: a mid-epoch state goes on (the
+    restored cursor wins over the same epoch), one saved after its epoch starts the next; in a
+    run started at epoch 0 and in one restarted at epoch 1, which reads the first's epochs."""
+    full = ddp_loop(range(3))
+    for start in (0, 1):
+        states: list[tuple[int, dict[str, Any]]] = []
+        run = ddp_loop(range(start, 3), states=states)
+        assert run == full[start * 6:]
+        for step, (epoch, state) in enumerate(states):
+            assert ddp_loop(range(epoch, 3), state=state) == run[step + 1:], (start, step)
+
+
+def test_a_users_sampler_left_alone_overrides_neither_lightning_nor_a_restored_cursor() -> None:
+    """Lightning tells ``loader.sampler`` the epoch: the user's sampler, set once and then left
+    alone, is not read again."""
+    sampler = DistributedSampler(DS, num_replicas=1, rank=0)
+    loader = ResumableLoader(DS, sampler=sampler, batch_size=4, seed=3)
+    sampler.set_epoch(2)
+    list(loader)
+    assert loader.epoch == 2
+    for epoch in (5, 6):
+        loader.sampler.set_epoch(epoch)
+        iterator = iter(loader)
+        next(iterator)
+        assert loader.epoch == epoch
+    state = loader.state_dict()
+    rest = [indices(b) for b in iterator]
+    loader.load_state_dict(state)
+    assert [indices(b) for b in loader] == rest and loader.epoch == 6
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kind_resumes_exactly_at_every_step(kind: str) -> None:
     def make() -> ResumableLoader:
