@@ -56,8 +56,12 @@ class SampleFetchError(LoaderError, RuntimeError):
 
     Attributes:
         index: the dataset index being fetched (``None`` for a failure of the whole batch:
-            ``collate_fn`` or ``__getitems__``).
-        position: the sample's position in its epoch's order (``None`` with ``index``).
+            ``collate_fn`` or ``__getitems__``; and for an iterable dataset, which has none).
+        position: the sample's position in its epoch's order (``None`` with ``index``). For
+            an iterable dataset: the position in its stream of the sample that raised (a
+            ``ShardedSource``'s shards in order; the message also names the shard and the
+            sample in it), ``None`` where unknown (past a shard of unknown length, a failure
+            of the whole batch).
         epoch, batch, rank: the batch of the plan being fetched and the rank fetching it.
         worker: the worker id, or ``None`` in the main process.
         pid: the process that ran the user code.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import operator
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -34,6 +35,7 @@ __all__ = ["SlotFetcher", "SlotReader"]
 
 _WINDOW_SALT = 0x5749_4E44_4F57
 _PARTITION_SALT = 0x5041_5254_4954  # keys the shuffle windows of canonical partitions
+_SECOND = operator.itemgetter(1)
 
 
 class SlotReader:
@@ -42,6 +44,9 @@ class SlotReader:
     Samples move in chunks (``itertools.islice`` over the shard iterators), so the per-sample
     cost is the source's own. A plain dataset is read inside ``sole_reader()`` (entered once
     per chunk), so it yields its whole stream whatever it does with ``get_worker_info()``.
+    A sample that raises is found without a cost per sample read: a chunk keeps the samples
+    read before it, and a strided piece, whose slices skip other slots' samples, is read
+    through a count (``zip`` with ``itertools.count``, in C).
     """
 
     def __init__(self, source: ShardedSource[Any], pieces: tuple[Piece, ...], start: Cursor,
@@ -53,6 +58,10 @@ class SlotReader:
         self._piece, self._offset, self._state = start.piece, start.offset, start.reader_state
         self._it: Iterator[Any] | None = None
         self._it_position = 0  # the shard position the open iterator yields next
+        self._opened_at = 0  # the shard position it was opened at
+        self._samples: Iterator[Any] = iter(())  # what is read: ``_it``, or ``_it`` counted
+        self._counter: Iterator[int] | None = None  # the next shard position, when counted
+        self._raised_at: tuple[int, int] | None = None  # (shard, position) of one that raised
         self.head: int | None = None  # a plain stream's ``opened_head``, once opened here
         self._peeked: list[tuple[Any, tuple[int, int, Any]]] = []  # (sample, its position)
         self._failure: Exception | None = None  # raised reading ahead: the next take()'s
@@ -118,13 +127,30 @@ class SlotReader:
         shard = self._source.describe_shard(self._pieces[self._piece].shard)
         return f"{shard}, reading from sample {self._offset}"
 
+    def raised(self, batch: str) -> tuple[str, int | None] | None:
+        """The sample that raised reading ``batch`` (``"batch 2 of slot 0"``), for the error:
+        its words (``"sample 3 of shard 1 (stream position 11, batch 2 of slot 0)"``) and its
+        position in the source's stream (its shards in order; ``None`` past a shard of unknown
+        length). ``None`` if none raised, or if the shard iterator had yielded nothing since
+        it was opened mid-shard (the source may have raised skipping to its start)."""
+        if self._raised_at is None:
+            return None
+        shard, sample = self._raised_at
+        if isinstance(self._source, PlainStream):
+            name = type(self._source.dataset).__name__
+            return f"sample {sample} of the {name} stream ({batch})", sample
+        before = self._source.shard_lengths if shard else ()
+        position = None if before is None else sum(before[:shard]) + sample
+        known = f"stream position {position}, " if position is not None else ""
+        return f"sample {sample} of {self._source.describe_shard(shard)} ({known}{batch})", position
+
     def viewing(self) -> AbstractContextManager[Any]:
         """The view the reads happen in (``sole_reader()`` for a plain dataset), to enter once
         around a batch's read and its read-ahead: nested in it, theirs cost nothing."""
         return self._view()
 
     def close(self) -> None:
-        iterator, self._it = self._it, None
+        iterator, self._it, self._samples = self._it, None, iter(())
         close = getattr(iterator, "close", None)
         if callable(close):
             with self._view():
@@ -161,7 +187,7 @@ class SlotReader:
             if piece.stop is None or self._offset < piece.stop:
                 return
             if piece.start == piece.stop:
-                self._it = self._open(piece)
+                self._open(piece)
                 self._check_ends_at(piece.shard, piece.stop)
             self._advance()
 
@@ -185,13 +211,18 @@ class SlotReader:
                 break
             piece = self._pieces[self._piece]
             if self._it is None:
-                self._it = self._open(piece)
+                self._open(piece)
             want = n - len(out)
             if piece.stop is not None:
                 want = min(want, len(range(self._offset, piece.stop, piece.step)))
             skip = self._offset - self._it_position  # other slots' samples (strided pieces)
-            chunk = list(itertools.islice(self._it, skip, skip + (want - 1) * piece.step + 1,
-                                          piece.step))
+            chunk: list[Any] = []
+            try:  # ``extend`` keeps the samples read before one raised
+                chunk.extend(itertools.islice(self._samples, skip,
+                                              skip + (want - 1) * piece.step + 1, piece.step))
+            except Exception:
+                self._note_raised(piece.shard, self._offset + len(chunk))
+                raise
             if chunk:
                 out += chunk
                 self._it_position = self._offset + (len(chunk) - 1) * piece.step + 1
@@ -205,13 +236,26 @@ class SlotReader:
                 self._advance()
         return out
 
-    def _open(self, piece: Piece) -> Iterator[Any]:
-        """An iterator over ``piece``'s shard from the current position."""
-        it = iter(self._source.open_shard(piece.shard, self._offset, self._state))
-        self._it_position, self._state = self._offset, None
+    def _open(self, piece: Piece) -> None:
+        """Open ``piece``'s shard at the current offset; a strided piece's iterator is read
+        counted (its slices skip other slots' samples: any of them may raise)."""
+        self._it = iter(self._source.open_shard(piece.shard, self._offset, self._state))
+        self._it_position, self._opened_at, self._state = self._offset, self._offset, None
+        self._samples, self._counter = self._it, None
+        if piece.step > 1:
+            self._counter = itertools.count(self._offset)
+            self._samples = map(_SECOND, zip(self._counter, self._it, strict=False))
         if isinstance(self._source, PlainStream):
             self.head = self._source.opened_head
-        return it
+
+    def _note_raised(self, shard: int, position: int) -> None:
+        """Note the sample of ``shard`` that raised: ``position`` (the one after those read)
+        in a contiguous read, the counted one in a strided read; none if the iterator had
+        yielded nothing since it was opened mid-shard."""
+        if self._counter is not None:
+            position = next(self._counter) - 1
+        if position > self._opened_at or self._opened_at == 0:
+            self._raised_at = (shard, position)
 
     def _check_ends_at(self, shard: int, stop: int) -> None:
         """Where ``stop`` is the shard's declared length, raise if the shard goes on past it:
@@ -220,7 +264,12 @@ class SlotReader:
         if lengths is None or stop != lengths[shard] or self._it is None:
             return
         skip = stop - self._it_position  # other slots' samples (strided pieces)
-        past = list(itertools.islice(self._it, skip, skip + 1))
+        past: list[Any] = []
+        try:
+            past.extend(itertools.islice(self._samples, skip, skip + 1))
+        except Exception:
+            self._note_raised(shard, stop)
+            raise
         self._it_position = stop + len(past)
         if past:
             raise ValueError(self._too_long(shard, stop))
@@ -407,7 +456,13 @@ class SlotFetcher(Dataset[Any]):
 
 def _fetch_error(request: SlotRequest | PartRequest, reader: SlotReader | None,
                  exc: Exception) -> SampleFetchError:
-    """The error naming the batch and slot being read (and the shard, when it is known)."""
-    shard = f" ({reader.where()})" if reader is not None else ""
-    return fetch_error(exc, f"batch {request.batch} of slot {request.slot}{shard}",
-                       epoch=request.epoch, batch=request.batch, rank=request.rank)
+    """The error naming the batch and slot being read, and the sample that raised (with its
+    position in the source's stream, where known) or else the shard being read."""
+    batch = f"batch {request.batch} of slot {request.slot}"
+    raised = reader.raised(batch) if reader is not None else None
+    if raised is None:
+        shard = f" ({reader.where()})" if reader is not None else ""
+        raised = batch + shard, None
+    what, position = raised
+    return fetch_error(exc, what, epoch=request.epoch, batch=request.batch, rank=request.rank,
+                       position=position)

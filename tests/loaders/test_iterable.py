@@ -17,7 +17,13 @@ from lightning_loaders.errors import SampleFetchError, StateMismatchError, Worke
 from lightning_loaders.loaders.convert import make_resumable
 from lightning_loaders.loaders.iterable import ResumableIterableLoader
 from lightning_loaders.loaders.map_style import MapStyleLoader
-from lightning_loaders.sources.shards import LineFiles, RecordFiles, SequenceSource, write_records
+from lightning_loaders.sources.shards import (
+    GeneratorSource,
+    LineFiles,
+    RecordFiles,
+    SequenceSource,
+    write_records,
+)
 from lightning_loaders.testing import check_resume_at_every_step, run_epochs, set_epoch
 from tests.conftest import IndexDataset, loader_processes
 from tests.ddp_harness import REPO, run_ddp
@@ -403,13 +409,14 @@ def test_errors_name_the_shard_slot_and_epoch(workers: int, backend: str) -> Non
     loader.close()
     broken = ResumableLoader(_Broken([[0, 1], list(range(10, 20))]), batch_size=2,
                              num_workers=workers, backend=backend)
-    with pytest.raises(KeyError, match=r"KeyError in batch \d of slot \d \(shard 1, reading "
-                                        r"from sample \d\) of epoch 0, in (the main process|"
+    with pytest.raises(KeyError, match=r"KeyError in sample 3 of shard 1 \(stream position 5, "
+                                        r"batch \d of slot \d\) of epoch 0, in (the main process|"
                                         r"worker \d \(pid \d+\)) on rank 0: 'bad record'") as info:
         list(broken)
     error = info.value
     assert isinstance(error, SampleFetchError) and isinstance(error.__cause__, KeyError)
     assert (error.epoch, error.rank, error.cause_type) == (0, 0, "KeyError")
+    assert (error.index, error.position) == (None, 5)  # the sample that raised, not its batch's
     assert (error.worker is None) == (workers == 0)
     broken.close()
     if workers:
@@ -432,6 +439,49 @@ class _FailsAt(IterableDataset):
             if i == self.bad:
                 raise KeyError(f"bad {i}")
             yield i
+
+
+@pytest.mark.parametrize(("workers", "backend", "bad"), [
+    (0, "process", 17), (0, "process", 16), (2, "process", 17), (3, "process", 17),
+    (2, "thread", 17)])
+def test_a_failing_stream_sample_is_named_not_its_batch(workers: int, backend: str, bad: int
+                                                        ) -> None:
+    """Its position in the stream, also when a slot skips the other slots' samples (they
+    raise in its read too) or reads one ahead to know whether its stream ends (16, at the
+    end of a batch without workers)."""
+    loader = ResumableLoader(_FailsAt(40, bad), batch_size=4, num_workers=workers,
+                             backend=backend)
+    with pytest.raises(KeyError, match=rf"KeyError in sample {bad} of the _FailsAt stream "
+                                        r"\(batch \d of slot \d\) of epoch 0") as info:
+        list(loader)
+    loader.close()
+    assert (info.value.index, info.value.position) == (None, bad)
+
+
+def _one_fails(shard: int) -> Iterator[int]:
+    """Samples ``0 .. 7``; in the shard described ``1``, sample 1 raises."""
+    for i in range(8):
+        if shard == 1 and i == 1:
+            raise KeyError(f"bad {i}")
+        yield i
+
+
+def test_a_failing_shard_sample_is_named_where_its_position_is_known() -> None:
+    """Past a shard of unknown length, a sample has no stream position; and a shard opened
+    mid-way that raises before its first sample names where it was read from (the source may
+    have raised skipping to it)."""
+    unknown = ResumableLoader(GeneratorSource(_one_fails, shards=[0, 1]), batch_size=2)
+    with pytest.raises(KeyError, match=r"KeyError in sample 1 of shard 1 \(batch 4 of slot "
+                                       r"0\) of epoch 0") as info:
+        list(unknown)
+    assert info.value.position is None
+    split = GeneratorSource(_one_fails, shards=[1], lengths=[8])
+    with pytest.raises(KeyError, match=r"sample 1 of shard 0 \(stream position 1, ") as first:
+        list(ResumableLoader(split, batch_size=2, rank=0, world_size=2))
+    assert first.value.position == 1
+    with pytest.raises(KeyError, match=r"\(shard 0, reading from sample 4\)") as skipping:
+        list(ResumableLoader(split, batch_size=2, rank=1, world_size=2))  # reads from 4
+    assert skipping.value.position is None
 
 
 @pytest.mark.parametrize(("workers", "before"), [(0, 16), (2, 16), (3, 12)])
