@@ -99,7 +99,6 @@ from lightning_loaders.collectives import agree_min, gather_by_rank
 from lightning_loaders.engines.pool import WorkerLost, WorkerStalled
 from lightning_loaders.engines.shard_reader import SlotFetcher
 from lightning_loaders.engines.transport import worker_collate
-from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.loaders.delivery import EpochSampler
 from lightning_loaders.loaders.options import LoaderOptions, unbatched_conversion
 from lightning_loaders.loaders.out_of_order import (
@@ -270,17 +269,14 @@ class ResumableIterableLoader(ResumableLoader):
             self._restored, self._window_epoch = True, None
             return
         rank, world_size = self.schedule.placement
-        try:
-            epoch, batches = int(state_dict["epoch"]), int(state_dict["batches"])
-            saved_world = int(state_dict["world_size"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise StateMismatchError(f"corrupted loader state: {exc!r}") from exc
+        # a mismatch first: the window is checked against this loader's plan
+        state = self.schedule.saved_state(state_dict)
         # the epoch's end bounds the saved batch numbers; another world size keeps no window
-        end = self.schedule.saved_batches(state_dict, rank) if saved_world == world_size else 0
-        entry = rank_entry(parts[WINDOW], rank, world_size, batches, end)
+        end = self.schedule.saved_batches(state, rank) if state.world_size == world_size else 0
+        entry = rank_entry(parts[WINDOW], rank, world_size, state.batches, end)
         super().load_state_dict({**state_dict, "batches": entry[0]})
-        self._window.restore(epoch, entry)
-        self._restored, self._window_epoch = True, epoch
+        self._window.restore(state.epoch, entry)
+        self._restored, self._window_epoch = True, state.epoch
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor (see ``DeliveryCore.state_dict``); with ``in_order=False``, also every

@@ -55,7 +55,7 @@ from lightning_loaders.schedule.map_plan import LastBatch
 from lightning_loaders.schedule.map_schedule import MapSchedule, resolve_last_batch, resolve_seed
 from lightning_loaders.schedule.requests import BatchRequest
 from lightning_loaders.sources.mix import Mix
-from lightning_loaders.state import PARTS, is_stateful
+from lightning_loaders.state import PARTS, LoaderState, is_stateful
 
 __all__ = ["MapStyleLoader"]
 
@@ -180,22 +180,22 @@ class MapStyleLoader(ResumableLoader):
             self._window.reset()
             self._window_epoch = None
             return
-        entry = self._window_entry(state_dict, parts[WINDOW])
+        # a mismatch first: the window is checked against this loader's plan
+        state = self.schedule.saved_state(state_dict)
+        entry = self._window_entry(state, parts[WINDOW])
         super().load_state_dict({**state_dict, "batches": entry[0]})
-        self._window.restore(int(state_dict["epoch"]), entry)
-        self._window_epoch = int(state_dict["epoch"])
+        self._window.restore(state.epoch, entry)
+        self._window_epoch = state.epoch
 
-    def _window_entry(self, state: Mapping[str, Any], part: Any) -> list[Any]:
+    def _window_entry(self, state: LoaderState, part: Any) -> list[Any]:
         """This rank's ``[frontier, ahead]`` of a saved out-of-order window, checked."""
         rank, world_size = self.schedule.placement
         try:
-            saved_world = int(state["world_size"])
-            offset = int(state.get("offset_batches", 0))
-            end = offset + self.schedule.plan_for(int(state["epoch"]), saved_world, int(
-                state.get("offset_position", 0))).num_batches
-        except (KeyError, TypeError, ValueError) as exc:
+            plan = self.schedule.plan_for(state.epoch, state.world_size, state.offset_position)
+        except ValueError as exc:
             raise StateMismatchError(f"corrupted loader state: {exc}") from exc
-        return rank_entry(part, rank, world_size, int(state["batches"]), end)
+        end = state.offset_batches + plan.num_batches
+        return rank_entry(part, rank, world_size, state.batches, end)
 
     def delivery_order(self) -> list[int] | None:
         """With ``in_order=False``: the plan numbers of the epoch's batches in the order they

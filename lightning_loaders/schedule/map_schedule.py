@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -252,9 +252,15 @@ class MapSchedule(EpochOwner):
         rank, world_size = self.placement
         return self._digest(self.epoch, batches, self._offset_batches, offset, world_size, rank)
 
+    def saved_state(self, state_dict: Mapping[str, Any]) -> LoaderState:
+        """``state_dict`` parsed; a ``StateMismatchError`` unless it is this loader's kind,
+        dataset and configuration (checked before anything else reads it, so that a mismatch
+        is named as one)."""
+        return LoaderState.from_dict(state_dict, KIND, self.fingerprint())
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a cursor; the next ``begin_epoch`` continues exactly after its last batch."""
-        state = LoaderState.from_dict(state_dict, KIND, self.fingerprint())
+        state = self.saved_state(state_dict)
         self._check_cursor(state)
         with self.loading():
             if is_stateful(self.order) and ORDER_STATE in state.parts:

@@ -338,11 +338,9 @@ class IterableSchedule(EpochOwner):
         assert layout.num_batches is not None
         return layout.num_batches - state.batches
 
-    def saved_batches(self, state_dict: Mapping[str, Any], rank: int) -> int:
+    def saved_batches(self, state: LoaderState, rank: int) -> int:
         """Canonical partitions: batches of ``rank`` in the epoch a saved state is in (the
-        saved layout's; ``StateMismatchError`` if the state is not this loader's or cannot
-        say)."""
-        state = LoaderState.from_dict(state_dict, KIND, self.fingerprint())
+        saved layout's; ``StateMismatchError`` if the state cannot say)."""
         slots = state.parts.get(SLOTS)
         if not isinstance(slots, Mapping):
             raise StateMismatchError(f"corrupted loader state: parts[{SLOTS!r}] is {slots!r}")
@@ -417,9 +415,15 @@ class IterableSchedule(EpochOwner):
                            trainer_epoch=self._owner, fingerprint=self.fingerprint(),
                            parts={SLOTS: slots}).to_dict()
 
+    def saved_state(self, state_dict: Mapping[str, Any]) -> LoaderState:
+        """``state_dict`` parsed; a ``StateMismatchError`` unless it is this loader's kind,
+        dataset and configuration (checked before anything else reads it, so that a mismatch
+        is named as one)."""
+        return LoaderState.from_dict(state_dict, KIND, self.fingerprint())
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a cursor; the next ``begin_epoch`` continues exactly after its last batch."""
-        state = LoaderState.from_dict(state_dict, KIND, self.fingerprint())
+        state = self.saved_state(state_dict)
         slots = state.parts.get(SLOTS)
         if not isinstance(slots, Mapping):
             raise StateMismatchError(f"corrupted loader state: parts[{SLOTS!r}] is missing or "

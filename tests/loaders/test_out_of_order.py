@@ -186,6 +186,26 @@ def test_a_window_with_batches_ahead_refuses_another_world_size(tmp_path: Path) 
             _make(gate).load_state_dict(edited)
 
 
+def test_a_window_from_another_dataset_or_configuration_names_each_mismatch(tmp_path: Path
+                                                                            ) -> None:
+    """As for an in-order state, and before the window is read: against this loader's
+    shorter plan, the batches past the frontier would read as a corrupted window."""
+    gate = tmp_path / "gate"
+    states: list = []
+    _run(_make(gate), gate, states)
+    ahead = max(states, key=lambda state: max(_ahead(state) or [0]))
+    assert max(_ahead(ahead)) >= 4  # past the 4 batches of the loaders below
+    for loader, mismatch in (
+            (_make(gate, n=8), "dataset_len: saved 24, this loader 8"),
+            (_make(gate, n=8, rank=0, world=2), "dataset_len: saved 24, this loader 8"),
+            (ResumableLoader(Gated(24, str(gate), frozenset()), batch_size=6, seed=5,
+                             in_order=False), "batch_size: saved 2, this loader 6")):
+        before = loader.state_dict()
+        with pytest.raises(StateMismatchError, match=mismatch):
+            loader.load_state_dict(ahead)
+        assert loader.state_dict() == before  # a refused state changes nothing
+
+
 def test_a_fast_worker_runs_on_past_the_batches_in_flight(tmp_path: Path) -> None:
     """As in ``DataLoader(in_order=False)``, a batch that holds the frontier does not stop the
     other worker: it delivered 12 batches past it (3 times the 4 in flight) before the gate
@@ -499,9 +519,11 @@ def test_iterable_window_refuses_another_world_size_and_corruption(tmp_path: Pat
     corrupted = {**ahead, "parts": {**ahead["parts"], "window": {"ranks": [[0, [99]]]}}}
     with pytest.raises(StateMismatchError, match="corrupted"):
         _make_iterable(gate).load_state_dict(corrupted)
-    other = ResumableLoader(GatedShards(str(gate), frozenset()), batch_size=3, in_order=False)
-    with pytest.raises(StateMismatchError, match="batch_size"):  # named before the window
-        other.load_state_dict(ahead)
+    for placement in ({}, {"rank": 0, "world_size": 2}):
+        other = ResumableLoader(GatedShards(str(gate), frozenset()), batch_size=3,
+                                in_order=False, **placement)
+        with pytest.raises(StateMismatchError, match="batch_size"):  # named before the window
+            other.load_state_dict(ahead)
     # at a frontier with nothing ahead, another world size deals the rest of the epoch anew
     plain = next(s for _, _, s in states if not s["parts"]["window"]["ranks"][0][1])
     _make_iterable(gate, rank=0, world_size=2).load_state_dict(plain)
