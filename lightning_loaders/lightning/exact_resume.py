@@ -44,7 +44,7 @@ from itertools import repeat
 from typing import Any
 
 import lightning as L
-from lightning.fabric.utilities.data import sized_len
+from lightning.fabric.utilities.data import _set_sampler_epoch, sized_len
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
@@ -274,7 +274,15 @@ class ExactResume(Callback):
             return  # nothing passed to fit, or Lightning restores them (an epoch unfinished)
         instance = source.instance
         combined = instance if isinstance(instance, CombinedLoader) else CombinedLoader(instance)
+        loaders = combined.flattened
+        if sum(map(is_stateful, loaders)) != len(states):
+            warnings.warn(f"the checkpoint holds the states of {len(states)} training loaders "
+                          f"but fit() was given {sum(map(is_stateful, loaders))} with a "
+                          "state_dict(): they start afresh", stacklevel=2)
+            return
         combined._load_state_dicts(states)
+        for loader in loaders:  # the next epoch, as the live loaders are told before it starts
+            _set_sampler_epoch(loader, int(epoch["processed"]))
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
@@ -428,8 +436,7 @@ def _resume_as_epoch_based(fit_loop: Any) -> None:
     step-based (``loops/fit_loop.py:139``) and counts that epoch unfinished (``:417``): the
     next epoch's first batch then ran as the finished epoch's ``batch_idx`` ``len()``, and the
     epoch after it began."""
-    epoch = fit_loop.epoch_progress.current
-    epoch.completed = epoch.processed
+    fit_loop.epoch_progress.increment_completed()  # in its totals too, which a resume reads
     fit_loop._restarting = False  # its setter keeps it under max_steps
     fit_loop.epoch_loop.restarting = False
     fit_loop.reset_restart_stage()

@@ -30,7 +30,13 @@ from typing import Any, Protocol, Self
 
 from torch.utils.data import SequentialSampler
 
-from lightning_loaders.loaders.prefetch import find_prefetcher, fit_epoch, held_after
+from lightning_loaders.loaders.prefetch import (
+    HeldNote,
+    batches_held,
+    find_prefetcher,
+    fit_epoch,
+    note_held,
+)
 from lightning_loaders.orders.from_torch import SamplerEpochs
 from lightning_loaders.state import PARTS
 
@@ -85,7 +91,7 @@ class DeliveryCore:
     _iter_token = 0
     _generation = 0  # bumped by close(): iterators then go on from the cursor
     _prefetcher: weakref.ref[Any] | None = None
-    _held = 0  # batches a prefetching fetcher took and has not handed on (``held_after``)
+    _held: HeldNote | None = None  # what a prefetching fetcher holds (``note_held``)
 
     def __iter__(self) -> Iterator[Any]:
         """A new iterator. Cheap: the epoch and the engine start at its first ``next()``.
@@ -97,8 +103,9 @@ class DeliveryCore:
         ``reload_dataloaders_every_n_epochs``, or a restart sets the data up twice and drops
         it), so the new iterator goes on from before them (the cursor the state saves), not
         with the next epoch."""
-        if self._held:
+        if batches_held(self._held):
             self.load_state_dict(self.state_dict())
+        self._held = None
         prefetcher = find_prefetcher()
         self._iter_token += 1
         self._prefetcher = prefetcher
@@ -144,7 +151,7 @@ class DeliveryCore:
         """The cursor as a small plain dict (``lightning_loaders.state``), with this loader's
         own parts; batches a prefetching trainer holds are not counted, so a resume delivers
         them again."""
-        held = self._held
+        held = batches_held(self._held)
         state = self.schedule.state_dict(held=held)
         state[PARTS] = {**state[PARTS], **self._parts(held)}
         return state
@@ -158,7 +165,7 @@ class DeliveryCore:
         with self.schedule.loading():
             self.schedule.load_state_dict(state_dict)
             self._load_parts(state_dict[PARTS])
-        self._held = 0
+        self._held = None
 
     def close(self) -> None:
         """Stop the engine now; an iterator used afterwards goes on from the cursor."""
@@ -255,7 +262,7 @@ class Delivery:
         try:
             batch = next(self._batches)
         except StopIteration:
-            loader._held = held_after(loader._prefetcher, handed=False)
+            loader._held = note_held(loader._prefetcher, handed=False)
             raise
         except BaseException:
             self._batches = None
@@ -265,7 +272,7 @@ class Delivery:
         # between two calls is not, and reopens at the cursor.
         self._generation = loader._generation
         if loader._prefetcher is not None:
-            loader._held = held_after(loader._prefetcher, handed=True)
+            loader._held = note_held(loader._prefetcher, handed=True)
         return batch
 
 

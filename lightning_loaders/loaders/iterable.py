@@ -107,6 +107,7 @@ from lightning_loaders.loaders.out_of_order import (
     not_delivered,
     rank_entry,
 )
+from lightning_loaders.loaders.prefetch import batches_held
 from lightning_loaders.loaders.resumable import ResumableLoader
 from lightning_loaders.schedule.map_plan import LastBatch
 from lightning_loaders.schedule.map_schedule import resolve_last_batch
@@ -285,7 +286,7 @@ class ResumableIterableLoader(ResumableLoader):
         state = super().state_dict()
         if self.in_order and self._window_epoch != state["epoch"]:
             return state
-        held, schedule = self._held, self.schedule
+        held, schedule = batches_held(self._held), self.schedule
         if self._restored or schedule.epoch is None:  # not started, or a state pending
             entry = self._window.pending() or [state["batches"], []]
         else:

@@ -40,6 +40,7 @@ from lightning_loaders.loaders.out_of_order import (
     not_delivered,
     rank_entry,
 )
+from lightning_loaders.loaders.prefetch import batches_held
 from lightning_loaders.loaders.resumable import LoaderOptions, ResumableLoader
 from lightning_loaders.orders.base import SampleOrder, SequentialOrder, ShuffledOrder
 from lightning_loaders.orders.from_torch import (
@@ -211,7 +212,7 @@ class MapStyleLoader(ResumableLoader):
             state = super().state_dict()
             if self._window_epoch != state["epoch"]:
                 return state
-        held = self._held
+        held = batches_held(self._held)
         schedule = self.schedule
         state = schedule.state_dict()
         rank, world_size = schedule.placement

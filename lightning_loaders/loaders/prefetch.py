@@ -3,10 +3,10 @@
 For a loader without ``len()`` Lightning's ``_PrefetchDataFetcher`` pulls one batch ahead of the
 training step, so "batches delivered" runs one ahead of "batches trained on". A loader finds
 the fetcher that iterates it (at ``iter()``, from the calling frames), notes at each ``next()``
-how many batches the fetcher will then hold, and subtracts them when it saves its state. The
-note outlives the fetcher: one dropped or torn down while it held batches (a restart sets the
-data up twice; ``max_steps`` ends mid-epoch) never trained on them. Sized loaders are never
-prefetched.
+the fetcher's list of held batches and how long it will then be (``HeldNote``), and subtracts
+the batches held when it saves its state. The note keeps the list: a fetcher dropped or torn
+down while it held batches (a restart sets the data up twice; ``max_steps`` ends mid-epoch)
+never trained on them. Sized loaders are never prefetched.
 
 The fit loop's ``setup_data`` also makes that first fetch before ``on_advance_start`` gives the
 loader the epoch (``loops/fit_loop.py:276`` before ``:445``): ``fit_epoch()`` reads the epoch it
@@ -19,9 +19,9 @@ from __future__ import annotations
 import sys
 import weakref
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["find_prefetcher", "fit_epoch", "held_after"]
+__all__ = ["HeldNote", "batches_held", "find_prefetcher", "fit_epoch", "note_held"]
 
 _FETCHER_MODULES = ("lightning.pytorch.loops.fetchers", "pytorch_lightning.loops.fetchers")
 _FIT_LOOP_MODULES = ("lightning.pytorch.loops.fit_loop", "pytorch_lightning.loops.fit_loop")
@@ -69,11 +69,28 @@ def _caller(modules: tuple[str, ...], class_name: str, method: str, depth: int) 
     return None
 
 
-def held_after(prefetcher: weakref.ref[Any] | None, handed: bool) -> int:
-    """Batches the fetcher holds, not yet handed to a training step, once the ``next()`` it is
-    making on us returns (``handed``: with a batch). Each of its ``next()`` calls pops a held
-    batch before it asks us for the next, so the count only changes while we are asked."""
+class HeldNote(NamedTuple):
+    """A prefetching fetcher's list of held batches, and its length once the ``next()`` it
+    was making on a loader returned; the list is kept, not copied."""
+
+    batches: list[Any]
+    length: int
+
+
+def note_held(prefetcher: weakref.ref[Any] | None, handed: bool) -> HeldNote | None:
+    """The note to keep as the fetcher's ``next()`` on us returns (``handed``: with a batch,
+    which it then appends); ``None`` where nothing is prefetched."""
     fetcher = prefetcher() if prefetcher is not None else None
-    if fetcher is None or getattr(fetcher, "length", None) is not None:
-        return 0
-    return len(getattr(fetcher, "batches", ())) + handed
+    batches = getattr(fetcher, "batches", None)
+    if not isinstance(batches, list) or getattr(fetcher, "length", None) is not None:
+        return None
+    return HeldNote(batches, len(batches) + handed)
+
+
+def batches_held(note: HeldNote | None) -> int:
+    """Batches of ours the fetcher holds, not yet handed to a step. Its ``next()`` pops a
+    held batch before it asks us for the next, so only the batch we hand over can join the
+    list after our note, and it may not: a ``CombinedLoader`` drops it when a member after us
+    ends (``min_size``). A fetcher dropped or torn down (which empties it by making a new list)
+    leaves the list as it was."""
+    return 0 if note is None else min(note.length, len(note.batches))

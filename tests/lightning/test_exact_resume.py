@@ -424,6 +424,14 @@ def test_checkpoints_at_each_epochs_end_under_max_steps(tmp_path: Path, loaders:
     for step in (6, 12):
         path = checkpoint_at(directory, step)
         assert fit(loaders, tmp_path, ckpt_path=path, max_epochs=-1, max_steps=15) == full, step
+    again = tmp_path / "again"  # checkpoints written by a resumed run resume exactly too
+    saver = ModelCheckpoint(dirpath=again, filename="{step}", every_n_train_steps=1,
+                            save_top_k=-1)
+    fit(loaders, tmp_path, [saver], ckpt_path=checkpoint_at(directory, 6), max_epochs=-1,
+        max_steps=15)
+    for step in range(7, 16):
+        path = checkpoint_at(again, step)
+        assert fit(loaders, tmp_path, ckpt_path=path, max_epochs=-1, max_steps=15) == full, step
 
 
 def cycled_members() -> tuple[Any, Any]:
@@ -439,7 +447,15 @@ def rollover() -> tuple[Any, Any]:
                            last_batch="rollover"), None
 
 
-@pytest.mark.parametrize("loaders", [cycled_members, rollover])
+def unsized_min_size() -> tuple[Any, Any]:
+    """``min_size`` over two training loaders of unknown length (``a`` is left mid-epoch)."""
+    members = {name: ResumableLoader(GeneratorSource(_samples, shards), batch_size=2,
+                                     shuffle=True, shuffle_buffer=4, seed=seed)
+               for name, shards, seed in (("a", [(0, 6), (6, 12)], 3), ("b", [(0, 3), (3, 6)], 9))}
+    return CombinedLoader(members, "min_size"), None
+
+
+@pytest.mark.parametrize("loaders", [cycled_members, rollover, unsized_min_size])
 def test_checkpoints_at_each_epochs_end_restore_the_loaders(tmp_path: Path, loaders: Loaders
                                                             ) -> None:
     """Lightning restores no loader from a checkpoint at an epoch's end, and a new one starts
@@ -450,6 +466,16 @@ def test_checkpoints_at_each_epochs_end_restore_the_loaders(tmp_path: Path, load
     for epoch in (0, 1):
         path = directory / f"epoch={epoch}.ckpt"
         assert fit(loaders, tmp_path, ckpt_path=path, max_epochs=3) == full, epoch
+
+
+def test_an_epoch_end_checkpoint_of_other_training_loaders_starts_them_afresh(tmp_path: Path
+                                                                             ) -> None:
+    directory = tmp_path / "checkpoints"
+    saver = ModelCheckpoint(dirpath=directory, filename="{epoch}", save_top_k=-1)
+    fit(cycled_members, tmp_path, [saver], max_epochs=1)
+    with pytest.warns(UserWarning, match="states of 2 training loaders but fit.. was given 1"):
+        events = fit(rollover, tmp_path, ckpt_path=directory / "epoch=0.ckpt", max_epochs=2)
+    assert ("epoch", 1) in events
 
 
 class SaveAtEpochStart(L.Callback):
@@ -485,6 +511,30 @@ def test_a_shuffled_unsized_validation_loader(tmp_path: Path) -> None:
               for p in range(4)]
     assert len(set(orders)) == 4
     assert exact_steps == steps == list(range(1, STEPS + 1))
+
+
+def test_min_size_validation_over_unsized_loaders(tmp_path: Path) -> None:
+    """``min_size`` drops the batch its longer member handed over as the shorter one ends,
+    so that member starts its next epoch at the next pass, as one a pass leaves mid-epoch
+    does: the dropped batch is not one Lightning's fetcher holds (to go on from before)."""
+
+    def loaders() -> tuple[Any, Any]:
+        members = {name: ResumableLoader(GeneratorSource(_samples, shards), batch_size=2,
+                                         shuffle=True, shuffle_buffer=4, seed=seed,
+                                         evaluation=True)
+                   for name, shards, seed in (("a", [(0, 4), (4, 8), (8, 12)], 3),
+                                              ("b", [(0, 3), (3, 6)], 9))}
+        return resumable()()[0], CombinedLoader(members, "min_size")
+
+    full = fit(loaders, tmp_path, val_check_interval=0.5)
+    passes = [[i for e in full if e[0] == "val" for i in e[4]["a"]][p * 6:p * 6 + 6]
+              for p in range(2)]
+    a = loaders()[1].flattened[0]
+    orders = []
+    for epoch in range(2):
+        a.set_epoch(epoch)
+        orders.append([i for batch in a for i in batch["index"].tolist()])
+    assert passes == [orders[0][:6], orders[1][:6]]
 
 
 def test_a_validation_loader_first_read_in_a_later_epoch(tmp_path: Path) -> None:
