@@ -115,24 +115,6 @@ def test_drawing_leaves_global_rngs_and_the_samplers_generator_alone() -> None:
         assert (again.tolist() == first.tolist()) is same
 
 
-def test_set_epoch_is_called_before_each_draw() -> None:
-    class EpochAware(Sampler[int]):
-        def __init__(self) -> None:
-            self.epoch = -1
-
-        def set_epoch(self, epoch: int) -> None:
-            self.epoch = epoch
-
-        def __len__(self) -> int:
-            return N
-
-        def __iter__(self):
-            return iter(np.roll(np.arange(N), self.epoch).tolist())
-
-    order = DrawnOrder(EpochAware(), seed=0)
-    assert order.indices(3, np.arange(2)).tolist() == [18, 19]
-
-
 class Rolled(Sampler[int]):
     """Keeps its epoch as ``DistributedSampler`` does; each epoch rolls the indices by it."""
 
@@ -147,6 +129,11 @@ class Rolled(Sampler[int]):
 
     def __iter__(self):
         return iter(np.roll(np.arange(N), self.epoch).tolist())
+
+
+def test_set_epoch_is_called_before_each_draw() -> None:
+    order = DrawnOrder(Rolled(), seed=0)
+    assert order.indices(3, np.arange(2)).tolist() == [18, 19]
 
 
 def test_the_users_set_epoch_on_a_drawn_sampler_is_followed_and_the_draws_own_is_not() -> None:
