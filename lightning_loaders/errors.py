@@ -27,6 +27,7 @@ __all__ = [
     "WorkerInitError",
     "WorkerTimeoutError",
     "describe_exit",
+    "exception_text",
     "fetch_error",
     "signal_name",
     "user_error",
@@ -164,6 +165,15 @@ class WorkerTimeoutError(LoaderError, RuntimeError):
         self.epoch, self.batch, self.rank = epoch, batch, rank
 
 
+def exception_text(exc: BaseException) -> str:
+    """``str(exc)``, or what ``traceback`` prints when the exception's ``__str__`` raises (a
+    user's error must keep its type and fields through our message, not be replaced)."""
+    try:
+        return str(exc)
+    except Exception:
+        return "<exception str() failed>"
+
+
 def fetch_error(exc: BaseException, what: str, *, epoch: int, batch: int, rank: int,
                 index: int | None = None, position: int | None = None,
                 where: str | None = None) -> SampleFetchError:
@@ -177,7 +187,8 @@ def fetch_error(exc: BaseException, what: str, *, epoch: int, batch: int, rank: 
     pid = os.getpid()
     if where is None:
         where = f"worker {worker} (pid {pid})" if info is not None else "the main process"
-    message = f"{type(exc).__name__} in {what} of epoch {epoch}, in {where} on rank {rank}: {exc}"
+    message = (f"{type(exc).__name__} in {what} of epoch {epoch}, in {where} on rank {rank}: "
+               f"{exception_text(exc)}")
     fields: dict[str, Any] = {"index": index, "position": position, "epoch": epoch,
                               "batch": batch, "rank": rank, "worker": worker, "pid": pid,
                               "cause_type": type(exc).__name__}

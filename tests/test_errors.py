@@ -147,6 +147,36 @@ def test_an_error_holding_what_does_not_pickle_keeps_its_type_and_sample(backend
         assert not hasattr(error, "connection")
 
 
+class ParseError(Exception):
+    """Its ``__str__`` raises on a record that is not UTF-8."""
+
+    def __str__(self) -> str:
+        return "bad record " + self.args[0].decode()
+
+
+class Unprintable(IndexDataset):
+    def __getitem__(self, index: int):
+        if index == 5:
+            raise ParseError(b"\xff\xfe")
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize(("backend", "workers"), [("process", 0), ("process", 2), ("thread", 2)])
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_an_error_whose_str_raises_keeps_its_type_and_sample(backend, workers, on_error) -> None:
+    """Our message said ``{exc}``: formatting it raised, and the user's error was lost."""
+    with ResumableLoader(Unprintable(8), batch_size=2, num_workers=workers, backend=backend,
+                         on_error=on_error) as loader:
+        if on_error == "skip":
+            assert [i for batch in loader for i in indices(batch)] == [0, 1, 2, 3, 4, 6, 7]
+            assert loader.skipped[0].error == "ParseError: <exception str() failed>"
+            return
+        with pytest.raises(ParseError) as info:
+            list(loader)
+    assert info.value.index == 5 and "ParseError in sample index 5" in str(info.value)
+    assert "<exception str() failed>" in str(info.value)
+
+
 def _bad_collate(samples):
     raise ValueError("ragged shapes")
 

@@ -47,7 +47,7 @@ from torch.utils.data import (
 from lightning_loaders.context import seeded_fetch, set_samples, worker_info
 from lightning_loaders.engines.faults import Failed, OnError, Skipped, SkippedSample
 from lightning_loaders.engines.transport import worker_collate
-from lightning_loaders.errors import SampleFetchError, fetch_error
+from lightning_loaders.errors import SampleFetchError, exception_text, fetch_error
 from lightning_loaders.schedule.requests import BatchRequest
 from lightning_loaders.sources.mix import Mix
 from lightning_loaders.sources.tables import TableDataset
@@ -222,7 +222,8 @@ class BatchFetcher(Dataset[Any]):
                         raise _fetch_error(request, k, exc) from exc
                     skipped.append(SkippedSample(request.epoch, request.batch,
                                                  int(request.positions[k]), indices[k],
-                                                 f"{type(exc).__name__}: {exc}"))
+                                                 f"{type(exc).__name__}: "
+                                                 f"{exception_text(exc)}"))
                     current.skipped += 1
         finally:
             set_samples(None)
