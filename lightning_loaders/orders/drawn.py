@@ -306,10 +306,12 @@ def _seeded(sampler: Any, seed: int, epoch: int) -> Iterator[None]:
 
 @contextmanager
 def _epoch_kept(sampler: Any) -> Iterator[None]:
-    """Put the sampler's ``epoch`` attribute back as the user left it: the loader follows the
-    user's ``sampler.set_epoch`` by reading it (``SamplerEpochs``), and the draw's own
-    ``set_epoch`` is not the user's."""
-    epoch = getattr(sampler, "epoch", _UNSET)
+    """Put the ``epoch`` attribute of a sampler with ``set_epoch`` back as the user left it:
+    the loader follows the user's ``sampler.set_epoch`` by reading it (``SamplerEpochs``), and
+    the draw's own ``set_epoch`` is not the user's. A sampler without ``set_epoch`` keeps what
+    its draw did (one that advances its own ``epoch`` as it is iterated)."""
+    has_set_epoch = callable(getattr(sampler, "set_epoch", None))
+    epoch = getattr(sampler, "epoch", _UNSET) if has_set_epoch else _UNSET
     try:
         yield
     finally:

@@ -136,6 +136,29 @@ def test_set_epoch_is_called_before_each_draw() -> None:
     assert order.indices(3, np.arange(2)).tolist() == [18, 19]
 
 
+class SelfAdvancing(Sampler[int]):
+    """No ``set_epoch``: each draw seeds from its own ``epoch`` and moves it on."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return N
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.epoch)
+        self.epoch += 1
+        return iter(torch.randperm(N, generator=generator).tolist())
+
+
+def test_a_sampler_advancing_its_own_epoch_keeps_what_its_draws_did() -> None:
+    """Putting its ``epoch`` back after each draw gave every epoch the first one's order."""
+    loader = ResumableLoader(IndexDataset(N), sampler=SelfAdvancing(), batch_size=N)
+    with pytest.warns(UserWarning, match="not deterministic"):
+        orders = {tuple(indices(next(iter(loader)))) for _ in range(3)}
+    assert len(orders) == 3
+
+
 def test_the_users_set_epoch_on_a_drawn_sampler_is_followed_and_the_draws_own_is_not() -> None:
     """The user's ``sampler.set_epoch(2)`` reads epoch 2, as ``DataLoader`` does; the draws'
     own ``set_epoch`` leaves the sampler's ``epoch`` as the user set it, so it is not taken
