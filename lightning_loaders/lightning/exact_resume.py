@@ -660,10 +660,12 @@ def _length(loader: Any) -> float:
 
 
 def _mid_epoch(loader: Any, read: float) -> bool:
-    """Whether reading ``read`` batches leaves the loader inside an epoch."""
+    """Whether reading ``read`` batches leaves the loader inside an epoch; with a length
+    unknown it may, and is taken to: a state marked ``abandoned`` at its epoch's end begins
+    the same next epoch as the state itself (``EpochOwner.begin_epoch``)."""
     length = _length(loader)
-    if read == float("inf") or length == float("inf"):
-        return read != length
+    if float("inf") in (read, length):
+        return True
     return read % length != 0
 
 

@@ -516,7 +516,9 @@ def test_a_shuffled_unsized_validation_loader(tmp_path: Path) -> None:
 def test_min_size_validation_over_unsized_loaders(tmp_path: Path) -> None:
     """``min_size`` drops the batch its longer member handed over as the shorter one ends,
     so that member starts its next epoch at the next pass, as one a pass leaves mid-epoch
-    does: the dropped batch is not one Lightning's fetcher holds (to go on from before)."""
+    does: the dropped batch is not one Lightning's fetcher holds (to go on from before).
+    Resumed after a pass, the member of unknown length (left mid-epoch, which its length
+    cannot tell) starts that next epoch too, not the one after it."""
 
     def loaders() -> tuple[Any, Any]:
         members = {name: ResumableLoader(GeneratorSource(_samples, shards), batch_size=2,
@@ -526,7 +528,8 @@ def test_min_size_validation_over_unsized_loaders(tmp_path: Path) -> None:
                                               ("b", [(0, 3), (3, 6)], 9))}
         return resumable()()[0], CombinedLoader(members, "min_size")
 
-    full = fit(loaders, tmp_path, val_check_interval=0.5)
+    full, steps, exact_steps = resume_from_every_step(loaders, tmp_path, val_check_interval=0.5)
+    assert exact_steps == steps == list(range(1, STEPS + 1))
     passes = [[i for e in full if e[0] == "val" for i in e[4]["a"]][p * 6:p * 6 + 6]
               for p in range(2)]
     a = loaders()[1].flattened[0]
