@@ -13,9 +13,10 @@ pass a stale epoch, #21938):
   after the restore, declares the very epoch the cursor's epoch began under: it is resuming that
   epoch, and may still be draining longer loaders beside this one
   (``CombinedLoader(mode="max_size")`` keeps a finished member finished until the longest one
-  ends, DESIGN.md section 2). Lightning's fit loop restores training loaders, then calls
-  ``set_epoch``; ``max_size_cycle`` re-iterates the exhausted member, which starts its next
-  epoch, as it would have uninterrupted;
+  ends: Lightning's ``_MaxSize`` iterator never calls ``iter()`` on it again). Lightning's
+  fit loop restores training loaders, then calls ``set_epoch``; ``max_size_cycle``
+  re-iterates the exhausted member, which starts its next epoch, as it would have
+  uninterrupted;
 - otherwise the next epoch starts: one past the current epoch, or the trainer's epoch if that
   is later (so an unfinished epoch's tail is abandoned, as after ``limit_train_batches``). So
   a restored cursor at its epoch's end starts the next epoch without ``set_epoch`` after the
@@ -100,7 +101,7 @@ class EpochOwner:
                 self._pending = pending
                 raise
             self._declared_for = None
-            if not trainer_moved_on(trainer, self._owner) and (
+            if not trainer_moved_on(trainer, self._owner, self.epoch) and (
                     self._has_rest() or still_draining(declared, self._owner)):
                 return
         epoch = following_epoch(self.epoch, trainer, self._owner)
@@ -188,10 +189,14 @@ class EpochOwner:
         raise NotImplementedError
 
 
-def trainer_moved_on(trainer_epoch: int | None, owner: int | None) -> bool:
+def trainer_moved_on(trainer_epoch: int | None, owner: int | None, current: int | None
+                     ) -> bool:
     """Whether the trainer's epoch (its last ``set_epoch``) is later than the one the current
-    epoch began under (``owner``): the trainer has then abandoned the current epoch."""
-    return trainer_epoch is not None and owner is not None and trainer_epoch > owner
+    epoch (``current``) began under (``owner``), or than ``current`` itself when it began
+    under none (``set_epoch`` first called after an epoch read without it): the trainer has
+    then abandoned the current epoch."""
+    began_under = owner if owner is not None else current
+    return trainer_epoch is not None and began_under is not None and trainer_epoch > began_under
 
 
 def still_draining(declared_epoch: int | None, owner: int | None) -> bool:
@@ -207,7 +212,7 @@ def following_epoch(current: int | None, trainer_epoch: int | None, owner: int |
     starts at the trainer's epoch, else at 0)."""
     if current is None:
         return trainer_epoch if trainer_epoch is not None else 0
-    if trainer_moved_on(trainer_epoch, owner):
+    if trainer_moved_on(trainer_epoch, owner, current):
         assert trainer_epoch is not None
         return max(current + 1, trainer_epoch)
     return current + 1
