@@ -110,9 +110,38 @@ def test_an_unpicklable_exception_from_a_worker_is_still_named_with_its_tracebac
     with ResumableLoader(RaisesUnpicklable(6), batch_size=2, num_workers=1) as loader:
         with pytest.raises(SampleFetchError) as info:
             list(loader)
-    assert info.value.__cause__ is None and info.value.cause_type == "_Unpicklable"
+    cause = info.value.__cause__  # rebuilt from its type and args, without __reduce__
+    assert type(cause) is _Unpicklable and cause.args == ("locked resource",)
+    assert info.value.cause_type == "_Unpicklable"
     assert "_Unpicklable in sample index 2" in str(info.value)
     assert "locked resource" in info.value.worker_traceback
+    assert info.value.loader_fields["worker_traceback"] == info.value.worker_traceback
+
+
+class _Coded(KeyError):
+    """An error whose ``__init__`` takes more than the message: it pickles, and fails to
+    unpickle (``_Coded("boom")`` is called)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RaisesCoded(IndexDataset):
+    def __getitem__(self, index: int):
+        if index == 3:
+            raise _Coded("boom", 42)
+        return super().__getitem__(index)
+
+
+def test_the_cause_from_a_worker_keeps_its_type_when_its_init_takes_more_than_the_message(
+        ) -> None:
+    with ResumableLoader(RaisesCoded(6), batch_size=2, num_workers=1) as loader:
+        with pytest.raises(_Coded) as info:
+            list(loader)
+    cause = info.value.__cause__
+    assert type(cause) is _Coded and cause.args == ("boom",) and cause.code == 42
+    assert info.value.code == 42 and info.value.index == 3
 
 
 class _Holding(Exception):

@@ -19,7 +19,8 @@ from torch.utils.data import _utils as torch_data_utils
 
 from lightning_loaders.errors import SampleFetchError, WorkerInitError
 
-__all__ = ["ON_ERROR", "Failed", "OnError", "Raised", "SkippedSample", "Skipped", "captured"]
+__all__ = ["ON_ERROR", "Escaped", "Failed", "OnError", "Raised", "SkippedSample", "Skipped",
+           "captured"]
 
 OnError = Literal["raise", "skip"]
 ON_ERROR: tuple[str, ...] = ("raise", "skip")
@@ -59,14 +60,14 @@ class Failed:
         cause = error.__cause__
         if cause is not None:
             error.worker_traceback = "".join(traceback.format_exception(cause))
+            error.loader_fields["worker_traceback"] = error.worker_traceback
             error.args = (f"{error.args[0]}\n\nOriginal traceback in worker {error.worker} (pid "
                           f"{error.pid}):\n{error.worker_traceback}",)
         self.error = error
         self.cause = cause
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"error": _crossing(self.error),
-                "cause": self.cause if _picklable(self.cause) else None}
+        return {"error": _crossing(self.error), "cause": _cause_crossing(self.cause)}
 
     def reraise(self) -> NoReturn:
         """Raise the error in the main process, chained to the original exception."""
@@ -81,11 +82,28 @@ class Raised(Failed):
 
 def captured(where: str) -> Raised | torch_data_utils.ExceptionWrapper:
     """The exception being handled in a worker, to send to the caller: a loader error whole
-    (``Raised``), any other as torch's ``ExceptionWrapper`` (``where`` names the worker)."""
+    (``Raised``), one that is no ``Exception`` (``SystemExit``, ``KeyboardInterrupt``: only a
+    worker thread sends those) as itself (``Escaped``), any other as torch's
+    ``ExceptionWrapper`` (``where`` names the worker)."""
     error = sys.exc_info()[1]
     if isinstance(error, SampleFetchError | WorkerInitError):
         return Raised(error)
+    if error is not None and not isinstance(error, Exception):
+        return Escaped(error)
     return torch_data_utils.ExceptionWrapper(where=where)
+
+
+class Escaped(torch_data_utils.ExceptionWrapper):
+    """A ``SystemExit`` or ``KeyboardInterrupt`` raised by user code in a worker thread,
+    re-raised as it was, as it leaves the loop without workers (``ExceptionWrapper`` would
+    rebuild it from a message: ``SystemExit``'s code became that text)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__((type(error), error, error.__traceback__))
+        self.error = error
+
+    def reraise(self) -> NoReturn:
+        raise self.error
 
 
 def _crossing(error: SampleFetchError | WorkerInitError) -> SampleFetchError | WorkerInitError:
@@ -104,6 +122,35 @@ def _crossing(error: SampleFetchError | WorkerInitError) -> SampleFetchError | W
         if _picklable(candidate):
             return candidate
     return error
+
+
+def _cause_crossing(cause: BaseException | None) -> Any:
+    """The original exception as it can cross: whole where it pickles; else rebuilt there
+    without its ``__init__`` (one that takes more than the message fails to unpickle), with
+    its type, ``args`` and the attributes that pickle; ``None`` where even that fails."""
+    if cause is None or _picklable(cause):
+        return cause
+    rebuilt = _Rebuilt(cause)
+    return rebuilt if _picklable(rebuilt) else None
+
+
+class _Rebuilt:
+    """Pickles as its exception, unpickled by ``_rebuild`` rather than by calling the type."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        kept = {name: value for name, value in vars(self.exc).items() if _picklable(value)}
+        return _rebuild, (type(self.exc), self.exc.args, kept)
+
+
+def _rebuild(kind: type[BaseException], args: tuple[Any, ...], attributes: dict[str, Any]
+             ) -> BaseException:
+    exc = kind.__new__(kind, *args)
+    exc.args = args
+    exc.__dict__.update(attributes)
+    return exc
 
 
 def _picklable(value: Any) -> bool:

@@ -512,3 +512,35 @@ def test_after_choosing_processes_the_threads_deliver_what_they_have_then_switch
             delivered.append(next(it)[0])
     assert delivered == list(range(2 + len(in_hand))) and it._sent == len(delivered)
     pool.close()
+
+
+class _Leaves(torch.utils.data.Dataset[int]):
+    """Leaves the loop from sample 5 by raising ``error`` (no ``Exception``)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> int:
+        if index == 5:
+            raise self.error
+        return index
+
+
+@pytest.mark.parametrize("error", [SystemExit(3), KeyboardInterrupt()])
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_system_exit_and_keyboard_interrupt_from_a_thread_leave_as_without_workers(
+        error: BaseException, backend: str) -> None:
+    """As from ``__getitem__`` in the main process: the same exception, ``SystemExit``'s code
+    kept (torch's wrapper rebuilt it from a message, which became its code)."""
+    from lightning_loaders import ResumableLoader
+
+    workers = 2 if backend == "thread" else 0
+    with ResumableLoader(_Leaves(error), batch_size=2, num_workers=workers,
+                         backend=backend) as loader, pytest.raises(type(error)) as info:
+        list(loader)
+    assert info.value is error or info.value.args == error.args
+    if isinstance(error, SystemExit):
+        assert info.value.code == 3
