@@ -369,18 +369,23 @@ class MapStyleLoader(ResumableLoader):
         return fetcher.in_memory and self._fetches_in_process(fetcher)
 
     def _untunable(self) -> str | None:
-        if self.gathers_in_memory:
+        if self._gathers_with_any_workers(self._fetcher()):
             return ("the data is in memory and gathered in this process whatever num_workers "
                     "is: no worker is started")
         return None
 
     def _fetches_in_process(self, fetcher: BatchFetcher) -> bool:
-        """Without workers, or for in-memory data with no ``worker_init_fn``: a batch is then
-        one vectorised gather, far cheaper than sending it from a worker process. Pinned
-        batches go through the worker pool, which pins them as they arrive."""
+        """Without workers, or for in-memory data that asks for no worker
+        (``_gathers_with_any_workers``)."""
         if self.pin_memory:
             return False
-        return self.num_workers == 0 or (fetcher.in_memory and self.worker_init_fn is None)
+        return self.num_workers == 0 or self._gathers_with_any_workers(fetcher)
+
+    def _gathers_with_any_workers(self, fetcher: BatchFetcher) -> bool:
+        """In-memory data with no ``worker_init_fn`` and no ``pin_memory``: a batch is one
+        vectorised gather, far cheaper than sending it from a worker process. Pinned batches go
+        through the worker pool, which pins them as they arrive."""
+        return fetcher.in_memory and self.worker_init_fn is None and not self.pin_memory
 
     def _fetcher(self) -> BatchFetcher:
         """The batch fetcher (made once: it probes the dataset for the fastest fetch path)."""

@@ -9,6 +9,7 @@ tuning early. What is checked is the stream, the state and the processes, never 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -296,3 +297,23 @@ def test_in_memory_data_stops_tuning_at_once() -> None:
     tuning = loader.autotune
     assert tuning is not None and tuning.phase == "done" and tuning.changes == 0
     assert "in memory" in tuning.reason and loader.num_workers == 0
+
+
+def _touch_worker_file(worker_id: int) -> None:
+    directory = os.environ["LL_TEST_WORKER_DIR"]
+    Path(directory, f"worker{worker_id}").touch()
+
+
+def test_in_memory_data_with_a_worker_init_fn_is_tuned(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``worker_init_fn`` asks for workers for in-memory data, as with a fixed count: the
+    tuning tries them (it stopped at once, saying the data is gathered in this process)."""
+    monkeypatch.setenv("LL_TEST_WORKER_DIR", str(tmp_path))
+    data = torch.utils.data.TensorDataset(torch.arange(30.0))
+    loader = ResumableLoader(data, batch_size=3, num_workers=FORCED,
+                             worker_init_fn=_touch_worker_file)
+    assert torch.cat([batch[0] for batch in loader]).tolist() == list(range(30))
+    tuning = loader.autotune
+    assert tuning is not None and "in memory" not in tuning.reason and tuning.changes > 0
+    assert "worker0" in {p.name for p in tmp_path.iterdir()}  # a worker ran it
+    loader.close()
