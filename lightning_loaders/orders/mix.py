@@ -227,7 +227,7 @@ class MixOrder:
     @property
     def fingerprint(self) -> str:
         return (f"mix(lengths={digest(self.lengths.tolist())}, members={digest(self.members)}, "
-                f"mode={self.mode}, "
+                f"mode={self.mode}, seed={self.seed}, "
                 f"samples_per_epoch={self.samples_per_epoch}, batch_size={self.batch_size}, "
                 f"{self.schedule.fingerprint})")
 

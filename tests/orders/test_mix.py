@@ -300,3 +300,10 @@ def test_corrupted_saved_counts_are_refused(counts: list[Any]) -> None:
     order = make(lengths=(3, 10, 4000), samples_per_epoch=5 * CHUNK)
     with pytest.raises(StateMismatchError, match="corrupted mixture state"):
         order.load_state_dict({"changes": [], "counts": counts})
+
+
+def test_the_mixture_seed_is_part_of_the_fingerprint() -> None:
+    """A state saved with another ``Mix(seed=...)`` is refused naming both seeds, before the
+    resume audit could only say that a batch's digest differs."""
+    assert "seed=4," in make(seed=4).fingerprint
+    assert make(seed=4).fingerprint != make(seed=5).fingerprint
