@@ -29,6 +29,7 @@ schedule makes exactly the decision the uninterrupted one would have made.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -37,7 +38,8 @@ from typing import Any
 from lightning_loaders.placement import resolve_rank_world
 from lightning_loaders.state import LoaderState
 
-__all__ = ["EpochOwner", "following_epoch", "still_draining", "trainer_moved_on"]
+__all__ = ["EpochOwner", "following_epoch", "still_draining", "trainer_moved_on",
+           "warn_past_len"]
 
 
 class EpochOwner:
@@ -216,3 +218,18 @@ def following_epoch(current: int | None, trainer_epoch: int | None, owner: int |
         assert trainer_epoch is not None
         return max(current + 1, trainer_epoch)
     return current + 1
+
+
+def warn_past_len(saved_world: int, world_size: int, batches: int, remaining: int,
+                  full_epoch: int) -> None:
+    """Warn that an elastic resume after ``batches`` leaves ``remaining`` batches, more than a
+    trainer stopping at ``len()`` (``full_epoch``) would read."""
+    if remaining and batches + remaining > full_epoch:
+        warnings.warn(
+            f"elastic resume from world size {saved_world} to {world_size} after {batches} "
+            f"batches leaves {remaining} batches in this epoch, past len()={full_epoch}: a "
+            "trainer that stops at len() (Lightning does) would skip the last ones. Resume "
+            "with lightning_loaders.ExactResume (it recounts Lightning's batches), at an epoch "
+            "end, or on fewer ranks.",
+            stacklevel=5,
+        )

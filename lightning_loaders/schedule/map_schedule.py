@@ -9,7 +9,6 @@ differ only in the engine that turns its requests into batches.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
@@ -28,7 +27,7 @@ from lightning_loaders.schedule.audit import (
     check_audit,
     reaudited,
 )
-from lightning_loaders.schedule.epochs import EpochOwner
+from lightning_loaders.schedule.epochs import EpochOwner, warn_past_len
 from lightning_loaders.schedule.map_plan import (
     LAST_BATCH_POLICIES,
     EpochPlan,
@@ -165,15 +164,7 @@ class MapSchedule(EpochOwner):
         if state.world_size == world_size or self._recounted is state:
             return
         full_epoch = self.plan_for(state.epoch, world_size).num_batches
-        if self.remaining and state.batches + self.remaining > full_epoch:
-            warnings.warn(
-                f"elastic resume from world size {state.world_size} to {world_size} after "
-                f"{state.batches} batches leaves {self.remaining} batches in this epoch, "
-                f"past len()={full_epoch}: a trainer that stops at len() (Lightning does) would "
-                "skip the last ones. Resume with lightning_loaders.ExactResume (it recounts "
-                "Lightning's batches), at an epoch end, or on fewer ranks.",
-                stacklevel=4,
-            )
+        warn_past_len(state.world_size, world_size, state.batches, self.remaining, full_epoch)
 
     def _continuation(self, state: LoaderState, world_size: int) -> tuple[int, int]:
         """``(offset_batches, offset_position)`` of the plan a restored state goes on under

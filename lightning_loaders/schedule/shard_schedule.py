@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from lightning_loaders.collectives import agree_same, gather_by_rank
 from lightning_loaders.errors import StateMismatchError
-from lightning_loaders.schedule.epochs import EpochOwner
+from lightning_loaders.schedule.epochs import EpochOwner, warn_past_len
 from lightning_loaders.schedule.partition_plan import advanced, deal, uses_partitions
 from lightning_loaders.schedule.requests import (
     SKIP,
@@ -285,6 +285,10 @@ class IterableSchedule(EpochOwner):
         else:
             cursors = _saved_cursors(slots, rank, self.slots)
         self._begin(state.epoch, state.batches, cursors, layout)
+        if (self.canonical and state.world_size != world_size and self._recounted is not state
+                and layout.num_batches is not None and self.config.last_batch != "rollover"):
+            warn_past_len(state.world_size, world_size, state.batches,
+                          layout.num_batches - state.batches, self.num_batches())
 
     def _resume_partitions(self, slots: Mapping[str, Any], epoch: int, saved_world: int,
                            batches: int) -> None:

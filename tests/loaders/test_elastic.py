@@ -2,6 +2,7 @@
 layout (ranks x workers) with nothing repeated and nothing lost."""
 
 import json
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -448,3 +449,22 @@ def test_a_trainer_checkpoint_under_two_workers_resumes_under_three_exactly(
     for step in (per_epoch // 2, per_epoch, per_epoch + 3):
         resumed = fit(3, [], checkpoint_at(directory, step))
         assert resumed == full[step:], (how, step)
+
+
+def test_a_resume_on_more_ranks_past_len_warns_as_map_style_does(source_factory) -> None:
+    """Resumed on 2 ranks after 8 of 1 rank's batches, the epoch's rest is more batches than
+    ``len()`` says are left: a trainer stopping at ``len()`` skips the last ones, so the
+    loader warns (a map-style loader did; this one said nothing)."""
+    states, _ = _states_after(source_factory, 1, 0, epoch=0, steps=8)
+    loader = _make(source_factory, 0, 2, 0)
+    loader.load_state_dict(states[0])
+    with pytest.warns(UserWarning, match="from world size 1 to 2 after 8 batches.*past len"):
+        rest = sum(1 for _ in loader)
+    assert 8 + rest > len(loader)
+    loader.close()
+    same = _make(source_factory, 0, 1, 0)
+    same.load_state_dict(states[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert 8 + sum(1 for _ in same) == len(same)
+    same.close()
