@@ -541,3 +541,32 @@ def test_generic_alias_and_snapshot_every_n_steps() -> None:
     assert loader.snapshot_every_n_steps == 3 and len(_plain(loader)) == 3
     with pytest.raises(ValueError, match="snapshot_every_n_steps"):
         ResumableLoader(IndexDataset(6), snapshot_every_n_steps=0)
+
+
+class _Leveled(torch.utils.data.Dataset[int]):
+    """A curriculum changed in place between epochs: ``level`` is added to every sample."""
+
+    def __init__(self) -> None:
+        self.level = 0
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> int:
+        return index * 100 + self.level
+
+
+@pytest.mark.parametrize("options", [{"num_workers": 2}, {"num_workers": "auto"},
+                                     {"num_workers": 2, "backend": "auto"}],
+                         ids=["2", "auto", "backend-auto"])
+def test_workers_that_do_not_persist_see_a_dataset_changed_between_epochs(options) -> None:
+    """As ``DataLoader``'s: each epoch forks them again (persistent ones, the default, keep
+    the copy they started with, as ``DataLoader(persistent_workers=True)``'s do)."""
+    dataset = _Leveled()
+    loader = ResumableLoader(dataset, batch_size=4, persistent_workers=False, **options)
+    levels = []
+    for epoch in range(3):
+        dataset.level = epoch
+        levels.append({int(x) % 100 for batch in loader for x in batch})
+    assert levels == [{0}, {1}, {2}]
+    loader.close()
