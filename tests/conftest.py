@@ -40,16 +40,31 @@ def index_dataset() -> IndexDataset:
     return IndexDataset(23)
 
 
-def loader_processes() -> list[psutil.Process]:
-    """Live child processes that a loader could have started.
+_EARLIER: set[int] = set()  # child processes alive when the running test began
 
-    Leaves out helpers that are not a loader's and live as long as the test process: torch's
-    shared-memory manager, Python's multiprocessing resource tracker (started by the first
-    shared-memory segment, e.g. FFCV's writer) and fork server (started by the first
-    ``forkserver`` process), and zombies already gone.
+
+@pytest.fixture(autouse=True)
+def _earlier_children() -> None:
+    """Note the children alive as a test begins: workers of an earlier test's loader that
+    only the garbage collector frees (a raised error's traceback holds it) are not this
+    test's."""
+    _EARLIER.clear()
+    _EARLIER.update(child.pid for child in psutil.Process().children(recursive=True))
+
+
+def loader_processes() -> list[psutil.Process]:
+    """Live child processes that a loader of the running test could have started.
+
+    Leaves out those alive when the test began (``_earlier_children``) and helpers that are
+    not a loader's and live as long as the test process: torch's shared-memory manager,
+    Python's multiprocessing resource tracker (started by the first shared-memory segment,
+    e.g. FFCV's writer) and fork server (started by the first ``forkserver`` process), and
+    zombies already gone.
     """
     found = []
     for child in psutil.Process().children(recursive=True):
+        if child.pid in _EARLIER:
+            continue
         try:
             if child.status() == psutil.STATUS_ZOMBIE or child.name() == "torch_shm_manager":
                 continue
