@@ -9,26 +9,30 @@ them to Lightning, whose ``BasePredictionWriter`` then receives each batch's ``b
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import overload
+from typing import TypeVar, overload
 
 import numpy as np
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 
 from lightning_loaders.loaders.map_style import MapStyleLoader
+from lightning_loaders.loaders.resumable import ResumableLoader
 from lightning_loaders.schedule.map_schedule import MapSchedule
 
 __all__ = ["batch_indices", "expose_batch_indices"]
 
+_Loader = TypeVar("_Loader", bound=ResumableLoader)
 
-def batch_indices(loader: MapStyleLoader, epoch: int | None = None,
+
+def batch_indices(loader: ResumableLoader, epoch: int | None = None,
                   rank: int | None = None) -> list[np.ndarray]:
     """Dataset indices of every batch ``rank`` reads in a full ``epoch``, batch by batch.
 
     Defaults: this process's rank, and the epoch being delivered (0 before the first batch).
     Orders whose indices change within an epoch (a re-weighted ``DynamicWeightedSampler``) are
-    only described for the weights they hold now.
+    only described for the weights they hold now. Takes a ``ResumableLoader`` (what users
+    hold) over a map-style dataset; an iterable one raises ``TypeError``.
     """
-    schedule = loader.schedule
+    schedule = _map_style(loader, "batch_indices").schedule
     own_rank, world_size = schedule.placement
     rank = own_rank if rank is None else rank
     epoch = (schedule.epoch or 0) if epoch is None else epoch
@@ -36,13 +40,27 @@ def batch_indices(loader: MapStyleLoader, epoch: int | None = None,
             for b in range(schedule.plan_for(epoch, world_size).num_batches)]
 
 
-def expose_batch_indices(loader: MapStyleLoader) -> MapStyleLoader:
+def expose_batch_indices(loader: _Loader) -> _Loader:
     """Give ``loader`` the ``batch_sampler`` through which Lightning's prediction loop learns
     the dataset indices of each delivered batch (``BasePredictionWriter``'s ``batch_indices``).
+
+    Returns ``loader``; an iterable dataset's loader raises ``TypeError``, as in
+    ``batch_indices``.
     """
+    mapped = _map_style(loader, "expose_batch_indices")
     # Past the guard that refuses, as DataLoader does, user changes to built loaders.
     object.__setattr__(loader, "batch_sampler",
-                       _DeliveredIndices(loader.schedule, loader.delivery_order()))
+                       _DeliveredIndices(mapped.schedule, mapped.delivery_order()))
+    return loader
+
+
+def _map_style(loader: ResumableLoader, caller: str) -> MapStyleLoader:
+    """``loader``, refused unless it reads a map-style dataset: an iterable dataset's samples
+    have no dataset indices."""
+    if not isinstance(loader, MapStyleLoader):
+        raise TypeError(f"{caller} needs a ResumableLoader over a map-style dataset, got a "
+                        f"{type(loader).__name__}: an iterable dataset's samples have no "
+                        "dataset indices")
     return loader
 
 

@@ -1,12 +1,14 @@
 import time
+from pathlib import Path
 
 import pytest
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 
-from lightning_loaders import ResumableLoader
+from lightning_loaders import ResumableLoader, SequenceSource
 from lightning_loaders.lightning.batch_indices import batch_indices, expose_batch_indices
 from lightning_loaders.testing import run_epochs
 from tests.conftest import IndexDataset
+from tests.typing_harness import mypy_errors
 
 
 def indices(batch) -> list[int]:
@@ -82,3 +84,24 @@ def test_out_of_order_prediction_writers_see_the_indices_of_the_batch_delivered(
         assert seen[len(delivered) - 1] == delivered[-1]
     assert list(seen) == delivered and delivered[0] != [0, 1]
     assert sorted(i for batch in delivered for i in batch) == list(range(8))
+
+
+def test_an_iterable_datasets_loader_is_refused_by_name() -> None:
+    loader = ResumableLoader(SequenceSource([[1, 2, 3]]), batch_size=2)
+    for describe in (batch_indices, expose_batch_indices):
+        with pytest.raises(TypeError, match=f"{describe.__name__} needs a ResumableLoader over a "
+                           "map-style dataset, got a ResumableIterableLoader"):
+            describe(loader)
+
+
+def test_documented_calls_type_check_on_a_resumable_loader(tmp_path: Path) -> None:
+    """Users hold a ``ResumableLoader`` (a data module's attribute, a function's result)."""
+    assert mypy_errors("""
+        from typing import assert_type
+        import numpy as np
+        from lightning_loaders import ResumableLoader, batch_indices, expose_batch_indices
+
+        def predict(loader: ResumableLoader) -> ResumableLoader:
+            assert_type(batch_indices(loader, rank=1), list[np.ndarray])
+            return expose_batch_indices(loader)
+        """, tmp_path) == []
