@@ -14,11 +14,12 @@ from __future__ import annotations
 import os
 import pickle
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import PurePath
 from typing import Any, overload
 
 import numpy as np
 
-__all__ = ["PackedObjects", "PackedRecords", "PackedStrings", "pack"]
+__all__ = ["PackedObjects", "PackedPaths", "PackedRecords", "PackedStrings", "pack"]
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -104,6 +105,28 @@ class PackedStrings(_Packed):
         return self._blobs.nbytes
 
 
+class PackedPaths(_Packed):
+    """A sequence of paths of one ``PurePath`` type (``Path``, ``PurePosixPath``...) in one
+    UTF-8 buffer, given back as that type (a path is rebuilt exactly from its string)."""
+
+    def __init__(self, paths: Sequence[PurePath]) -> None:
+        if not _same_paths(paths):
+            raise TypeError(f"PackedPaths holds paths of one PurePath type; got "
+                            f"{sorted({type(path).__name__ for path in paths})}")
+        self._type = type(paths[0])
+        self._strings = PackedStrings(paths)
+
+    def __len__(self) -> int:
+        return len(self._strings)
+
+    def _get(self, index: int) -> PurePath:
+        return self._type(self._strings._get(index))
+
+    @property
+    def nbytes(self) -> int:
+        return self._strings.nbytes
+
+
 class PackedObjects(_Packed):
     """A sequence of any picklable objects, each pickled into one shared buffer (unpickled on
     access, so every access returns a fresh copy)."""
@@ -127,9 +150,10 @@ class PackedRecords(_Packed):
     """A sequence of dicts with the same keys, stored column by column.
 
     Columns of only ``int`` (within int64), only ``float`` or only ``bool`` values become numpy
-    arrays, columns of only ``str`` a ``PackedStrings``, anything else a ``PackedObjects``;
-    ``records[i]`` rebuilds the dict with the original value types. ``column(key)`` gives a
-    whole column (a numpy array for numbers: handy for vectorised work such as class weights).
+    arrays, columns of only ``str`` a ``PackedStrings``, of paths of one type a ``PackedPaths``,
+    anything else a ``PackedObjects``; ``records[i]`` rebuilds the dict with the original value
+    types. ``column(key)`` gives a whole column (a numpy array for numbers: handy for vectorised
+    work such as class weights).
     """
 
     def __init__(self, records: Sequence[Mapping[str, Any]]) -> None:
@@ -187,18 +211,30 @@ def _column(values: list[Any]) -> np.ndarray | _Packed:
         return np.array(values, dtype=np.int64)
     if kinds == {str}:
         return PackedStrings(values)
+    if _same_paths(values):
+        return PackedPaths(values)
     return PackedObjects(values)
 
 
-def pack(items: Sequence[Any]) -> PackedStrings | PackedRecords | PackedObjects:
+def _same_paths(items: Sequence[Any]) -> bool:
+    """Whether ``items`` are paths of one ``PurePath`` type, which ``PackedPaths`` rebuilds."""
+    return (bool(len(items)) and isinstance(items[0], PurePath)
+            and all(type(item) is type(items[0]) for item in items))
+
+
+def pack(items: Sequence[Any]) -> PackedStrings | PackedPaths | PackedRecords | PackedObjects:
     """Pack a list of sample metadata into the most compact copy-on-access-safe container.
 
-    Strings or paths give ``PackedStrings``; dicts that share their keys give
-    ``PackedRecords``; anything else ``PackedObjects``. The result is a read-only sequence:
-    use it where the dataset kept the list (``self.samples = pack(samples)``).
+    Strings give ``PackedStrings``; paths of one type (``Path``, ``PurePosixPath``...)
+    ``PackedPaths``, which gives them back as that type; dicts that share their keys
+    ``PackedRecords``; anything else (strings and paths mixed too) ``PackedObjects``. The
+    result is a read-only sequence: use it where the dataset kept the list
+    (``self.samples = pack(samples)``).
     """
-    if len(items) and all(isinstance(item, str | os.PathLike) for item in items):
+    if len(items) and all(isinstance(item, str) for item in items):
         return PackedStrings(items)
+    if _same_paths(items):
+        return PackedPaths(items)
     if len(items) and isinstance(items[0], Mapping):
         keys = items[0].keys()
         if all(isinstance(item, Mapping) and item.keys() == keys for item in items):

@@ -5,7 +5,7 @@ import os
 import pickle
 import sys
 from functools import partial
-from pathlib import Path
+from pathlib import Path, PurePath, PurePosixPath, PureWindowsPath
 
 import numpy as np
 import psutil
@@ -15,7 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_loaders import ResumableLoader
-from lightning_loaders.sources.packed import PackedObjects, PackedRecords, PackedStrings, pack
+from lightning_loaders.sources.packed import (
+    PackedObjects,
+    PackedPaths,
+    PackedRecords,
+    PackedStrings,
+    pack,
+)
 
 texts = st.text(alphabet=st.characters(), max_size=20)  # any code point, lone surrogates too
 scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), texts)
@@ -79,9 +85,23 @@ def test_columns_are_numpy_arrays_where_they_can_be() -> None:
         packed.column("nope")
 
 
-def test_paths_come_back_as_strings() -> None:
-    packed = pack([Path("/a/b.jpg"), "c.png"])
-    assert list(packed) == ["/a/b.jpg", "c.png"]
+@pytest.mark.parametrize("kind", [Path, PurePosixPath, PureWindowsPath])
+def test_paths_come_back_as_the_paths_given(kind: type[PurePath]) -> None:
+    paths = [kind("/data/a.jpg"), kind("rel/ünï.png"), kind(".")]
+    packed = pack(paths)
+    assert isinstance(packed, PackedPaths) and packed.nbytes < PackedObjects(paths).nbytes
+    assert same(list(packed), paths) and same(packed[1:], paths[1:])
+    assert same(pickle.loads(pickle.dumps(packed))[0], paths[0])
+    records = PackedRecords([{"path": path} for path in paths])
+    assert isinstance(records.column("path"), PackedPaths) and same(records[2]["path"], paths[2])
+
+
+def test_mixed_strings_and_paths_keep_their_types() -> None:
+    items = [Path("/a/b.jpg"), "c.png", PurePosixPath("d")]
+    assert same(list(pack(items)), items)
+    with pytest.raises(TypeError, match=r"one PurePath type; got \['PurePosixPath', 'str'\]"):
+        PackedPaths(items[1:])  # type: ignore[list-item]
+    assert list(PackedStrings(items)) == ["/a/b.jpg", "c.png", "d"]  # asked for strings
 
 
 def test_indexing_like_a_list() -> None:
