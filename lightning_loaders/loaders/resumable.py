@@ -9,6 +9,7 @@ of a schedule and an engine, built from the same ``LoaderOptions``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from types import GenericAlias
 from typing import Any, Literal
@@ -25,6 +26,16 @@ from lightning_loaders.orders.base import SampleOrder
 from lightning_loaders.schedule.map_plan import LastBatch
 
 __all__ = ["ResumableLoader"]
+
+
+class _InitSignature:
+    """What ``inspect.signature`` (so ``help()`` and IDEs) shows for a loader class: its
+    ``__init__``'s parameters, which ``__new__``'s ``(dataset=None, *args, **kwargs)`` would
+    hide; a subclass's own ``__init__`` where it has one."""
+
+    def __get__(self, instance: object, owner: type[Any]) -> inspect.Signature:
+        init = inspect.signature(owner.__init__)
+        return init.replace(parameters=list(init.parameters.values())[1:])  # less self
 
 
 class ResumableLoader(WorkerLoader):
@@ -115,6 +126,8 @@ class ResumableLoader(WorkerLoader):
     ``worker_init_fn`` or ``pin_memory`` asks for workers: no user code runs per sample, and a
     batch sent from a worker process would cost more than gathering it.
     """
+
+    __signature__ = _InitSignature()
 
     def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any) -> Any:
         """Pick the loader for ``dataset``: ``ResumableIterableLoader`` for an iterable

@@ -1,11 +1,14 @@
 """DataLoader's contract, row by row, each checked against a real ``torch.utils.data.DataLoader``
 where the two can be compared: unbatched and bulk loading, any batch sampler, the original
 exception type, an explicit ``DistributedSampler``, a growing dataset, the worker's dataset,
-fixed attributes, ``ResumableLoader[T]`` and ``snapshot_every_n_steps``."""
+fixed attributes, the signature ``help()`` shows, ``ResumableLoader[T]`` and
+``snapshot_every_n_steps``."""
 
 import copy
+import inspect
 import multiprocessing
 import pickle
+import pydoc
 from typing import Any
 
 import numpy as np
@@ -24,7 +27,8 @@ from torch.utils.data import (
     get_worker_info,
 )
 
-from lightning_loaders import ResumableLoader, SampleFetchError
+from lightning_loaders import ResumableIterableLoader, ResumableLoader, SampleFetchError
+from lightning_loaders.loaders.map_style import MapStyleLoader
 from lightning_loaders.sources.shards import SequenceSource
 from lightning_loaders.testing import check_resume_at_every_step, to_plain
 from tests.conftest import IndexDataset, RangeDataset, loader_processes
@@ -456,6 +460,24 @@ def test_a_subclass_of_the_loader_works_as_a_subclass_of_dataloader_does(iterabl
         assert type(copied) is type(loader) and copied.note == "mine"
         assert sorted(i for batch in copied for i in batch.tolist()) == list(range(6))
     assert sorted(i for batch in loader for i in batch.tolist()) == list(range(6))
+
+
+class _Plain(ResumableLoader):
+    """A subclass without its own ``__init__``."""
+
+
+def test_help_and_ides_see_dataloaders_parameters_then_ours() -> None:
+    """``inspect.signature`` (``help()``, IDEs) shows ``__init__``'s parameters, not
+    ``__new__``'s ``(dataset=None, *args, **kwargs)``; a subclass's own where it has them."""
+    theirs = inspect.signature(DataLoader).parameters
+    for loader in (ResumableLoader, MapStyleLoader, ResumableIterableLoader, _Plain):
+        ours = inspect.signature(loader).parameters
+        assert [ours[name].kind for name in theirs] == [p.kind for p in theirs.values()]
+        assert list(ours)[:len(theirs)] == list(theirs) and "last_batch" in ours
+    for noted in (NotedLoader, type(NotedLoader(IndexDataset(2), "mine"))):  # and as built
+        assert list(inspect.signature(noted).parameters) == ["dataset", "note", "kwargs"]
+    assert "ResumableLoader(dataset: 'Any', batch_size:" in pydoc.render_doc(
+        ResumableLoader, renderer=pydoc.plaintext)
 
 
 class _Tagged(torch.utils.data.Dataset[str]):
