@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["resolve_device", "resolve_rank_world"]
+__all__ = ["placement_settled", "resolve_device", "resolve_rank_world"]
 
 
 def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -36,6 +36,14 @@ def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -
         raise ValueError(f"need 0 <= rank < world_size, {source} rank={rank}, "
                          f"world_size={world_size}")
     return int(rank), int(world_size)
+
+
+def placement_settled(rank: int | None = None, world_size: int | None = None) -> bool:
+    """Whether ``resolve_rank_world(rank, world_size)`` reads a source rather than falling
+    back to ``(0, 1)``: explicit arguments, an initialised process group or the environment.
+    A fallback may change (a loader read before ``Trainer.fit`` starts DDP)."""
+    return (rank is not None or (dist.is_available() and dist.is_initialized())
+            or "WORLD_SIZE" in os.environ)
 
 
 def _env_int(name: str) -> int:

@@ -1,3 +1,7 @@
+import json
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -50,3 +54,43 @@ def test_device_comes_from_the_trainer_strategy() -> None:
     assert resolve_device(trainer, "cpu") == torch.device("cpu")
     alone = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     assert resolve_device() == alone
+
+
+def test_a_loader_read_before_ddp_starts_is_placed_when_it_does(monkeypatch) -> None:
+    """Read with no process group or environment, a loader falls back to rank 0 of 1; once
+    DDP is there (here: its environment) the next epoch and ``len()`` follow it, starting at
+    the declared epoch: what was read before does not shift the training."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    loader = ResumableLoader(list(range(24)), batch_size=3, shuffle=True, seed=1)
+    next(iter(loader))
+    assert len(loader) == 8
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert len(loader) == 4
+    loader.set_epoch(0)
+    got = [i for batch in loader for i in batch.tolist()]
+    expected = ResumableLoader(list(range(24)), batch_size=3, shuffle=True, seed=1)
+    assert got == [i for batch in expected for i in batch.tolist()]
+
+
+@pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp"])
+def test_a_batch_looked_at_before_fit_leaves_ddp_sharded(tmp_path, strategy) -> None:
+    """Real DDP started by ``Trainer.fit`` from this process (the ranks then had rank 0 of 1
+    fixed, read the whole epoch each, and under ``ddp`` ran uneven batch counts)."""
+    import subprocess
+    import sys
+
+    from tests.ddp_harness import REPO
+
+    out = tmp_path / "run"
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(REPO)
+    subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "peek_then_fit.py"),
+                    strategy, "0", str(out)], check=True, env=env, cwd=tmp_path, timeout=300,
+                   capture_output=True)
+    ranks = [[json.loads(line) for line in Path(f"{out}.rank{r}").read_text().splitlines()]
+             for r in range(2)]
+    assert [len(batches) for batches in ranks] == [4, 4]
+    assert sorted(i for batches in ranks for batch in batches for i in batch) == list(range(24))

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
-from lightning_loaders.placement import resolve_rank_world
+from lightning_loaders.placement import placement_settled, resolve_rank_world
 from lightning_loaders.state import LoaderState
 
 __all__ = ["EpochOwner", "following_epoch", "still_draining", "trainer_moved_on",
@@ -68,7 +68,10 @@ class EpochOwner:
 
     @property
     def placement(self) -> tuple[int, int]:
-        """``(rank, world_size)``: fixed at the first epoch start, resolved afresh before it."""
+        """``(rank, world_size)``: fixed at an epoch start where it is settled (given, or from
+        a process group or the environment); resolved afresh before it, and while it is only
+        the fallback ``(0, 1)``, so that a loader read before ``Trainer.fit`` starts DDP is
+        sharded once DDP runs."""
         if self._placement is not None:
             return self._placement
         return resolve_rank_world(*self._explicit_placement)
@@ -89,7 +92,10 @@ class EpochOwner:
         """Fix placement and decide which epoch and batch come next (see the module
         docstring). A restored state that fails to apply stays pending, so a corrected retry
         can still resume."""
-        rank, world_size = self._placement = self.placement
+        self._placement = None
+        rank, world_size = self.placement
+        if placement_settled(*self._explicit_placement):
+            self._placement = rank, world_size
         pending, self._pending = self._pending, None
         trainer = self._trainer_epoch
         declared = trainer if pending is not None and self._declared_for is pending else None
@@ -210,9 +216,11 @@ def still_draining(declared_epoch: int | None, owner: int | None) -> bool:
 
 def following_epoch(current: int | None, trainer_epoch: int | None, owner: int | None) -> int:
     """The epoch to start when the current one (``None``: none yet) is finished or abandoned:
-    the next one, or the trainer's epoch when the trainer has moved past it (a fresh loader
-    starts at the trainer's epoch, else at 0)."""
-    if current is None:
+    the next one, or the trainer's epoch when the trainer has moved past it. A fresh loader,
+    and one whose current epoch began under no declared epoch (read before ``Trainer.fit``,
+    or by hand), starts at the trainer's epoch (``sampler.set_epoch(e)`` chooses epoch ``e``
+    for a ``DataLoader``), else at 0 or the next one."""
+    if current is None or (owner is None and trainer_epoch is not None):
         return trainer_epoch if trainer_epoch is not None else 0
     if trainer_moved_on(trainer_epoch, owner, current):
         assert trainer_epoch is not None

@@ -15,7 +15,8 @@ from lightning_loaders.schedule.map_schedule import MapSchedule
     (2, 1, 2, 3),            # a stale (earlier) trainer epoch is ignored (#21938)
     (2, 5, 2, 5),            # the trainer moved on: its epoch
     (0, 3, None, 3),         # set_epoch first called after an epoch read without it
-    (2, 1, None, 3),         # ... an earlier epoch than the current one is ignored
+    (2, 1, None, 1),         # ... chooses its epoch, as for a DataLoader's sampler
+    (0, 0, None, 0),         # ... also the one read (a batch looked at before fit)
 ])
 def test_the_following_epoch(current, trainer, owner, expected) -> None:
     assert following_epoch(current, trainer, owner) == expected
