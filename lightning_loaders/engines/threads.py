@@ -378,6 +378,9 @@ class ThreadPool:
         return [worker.thread for worker in self._workers or ()]
 
     def __iter__(self) -> _ThreadIterator:
+        if self._owner != os.getpid():  # forked from the owner: none of its threads run here
+            self._workers, self._outbox, self._stalled = None, queue.SimpleQueue(), set()
+            self._owner = os.getpid()
         if self._workers is not None and not self.persistent_workers:
             self.close()
         if self._workers is None:
@@ -401,8 +404,10 @@ class ThreadPool:
         self._stalled.clear()
         self._outbox = queue.SimpleQueue()  # results of the stopped threads are dropped
 
-    def __del__(self) -> None:
+    def __del__(self, _getpid: Callable[[], int] = os.getpid) -> None:
         workers = getattr(self, "_workers", None)
+        if getattr(self, "_owner", None) != _getpid():  # os may be gone at interpreter exit
+            return  # a forked copy: the threads are the owner's
         if workers is not None and any(worker.running() for worker in workers):
             _stop(workers)  # they end after their fetch; one still running at exit is joined
 

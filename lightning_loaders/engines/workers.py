@@ -119,6 +119,8 @@ class ProcessPool:
         self._owner = os.getpid()  # only this process may stop the workers
 
     def __iter__(self) -> _ProcessIterator:
+        if self._owner != os.getpid():
+            self._forked()
         if self.workers and not self.persistent_workers:
             self.close()
         if not self.workers:
@@ -159,6 +161,14 @@ class ProcessPool:
     def __del__(self) -> None:
         if getattr(self, "workers", None):
             self.close()
+
+    def _forked(self) -> None:
+        """In a process forked from the owner (``ddp_fork``, the user's ``os.fork()``) that
+        iterates its copy: the workers and rings are the owner's, left to it; this copy
+        starts its own."""
+        self.close()
+        self._reader = RingReader()
+        self._owner = os.getpid()
 
     def _start(self) -> None:
         started = None

@@ -657,3 +657,41 @@ def test_auto_starts_on_processes_where_threads_would_share_what_workers_own() -
     plain = ResumableLoader(_Locked(), batch_size=2, num_workers=2, backend="auto")
     assert plain.backend_in_use == "process"
     assert sorted(i for batch in plain for i in batch.tolist()) == list(range(8))
+
+
+@pytest.mark.parametrize("backend", ["process", "thread"])
+def test_a_forked_copy_starts_workers_of_its_own(backend: str) -> None:
+    """A process forked while the loader holds persistent workers (Lightning's ``ddp_fork``
+    after a notebook read the loader) reads its next epoch with workers of its own: it used
+    the owner's (processes: both streams broke; threads: the copy hung). The owner's stream
+    is untouched, and the copy's exit prints nothing about the owner's threads."""
+    import json
+    import subprocess
+    import sys
+
+    script = f"""
+import json, os, signal, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+from lightning_loaders import ResumableLoader
+loader = ResumableLoader(list(range(40)), batch_size=4, shuffle=True, seed=1, num_workers=2,
+                         backend={backend!r}, collate_fn=list)
+first = [b for b in loader]
+read, write = os.pipe()
+if os.fork() == 0:
+    signal.alarm(30)
+    os.write(write, json.dumps([b for b in loader]).encode())
+    os._exit(0)
+os.close(write)
+parent = [b for b in loader]
+child = json.loads(os.read(read, 1 << 16))
+os.wait()
+print(json.dumps([first, parent, child]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and not done.stderr.strip(), done.stderr
+    first, parent, child = json.loads(done.stdout)
+    expected = ResumableLoader(list(range(40)), batch_size=4, shuffle=True, seed=1,
+                               collate_fn=list)
+    epochs = [[b for b in expected] for _ in range(2)]
+    assert first == epochs[0] and parent == child == epochs[1]
