@@ -21,7 +21,7 @@ import itertools
 import time
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, NoReturn, Protocol
 
 import torch
 from torch.utils.data import _utils as torch_data_utils
@@ -29,10 +29,18 @@ from torch.utils.data import _utils as torch_data_utils
 from lightning_loaders.engines.faults import Raised
 
 __all__ = ["POLL_S", "Arrival", "FetchTimer", "InProcess", "PoolIterator", "WorkerLost",
-           "WorkerStalled", "pin_target"]
+           "WorkerStalled", "pin_target", "refuse_live"]
 
 POLL_S = 0.1
 """Seconds between liveness checks of the workers while the main process waits for a batch."""
+
+
+def refuse_live(workers: int) -> NoReturn:
+    """Refuse to pickle (or deep-copy) a pool holding ``workers`` live workers: a copy could
+    not reach them, and would start its own under the same cursor."""
+    raise TypeError(f"cannot pickle or copy a loader while it holds {workers} workers: "
+                    "close() it first (an iterator used afterwards starts new ones and goes "
+                    "on from the cursor)")
 
 
 class WorkerLost(Exception):

@@ -49,6 +49,7 @@ from lightning_loaders.engines.pool import (
     WorkerLost,
     WorkerStalled,
     pin_target,
+    refuse_live,
 )
 from lightning_loaders.engines.transport import transit_s
 from lightning_loaders.schedule.requests import SlotEnd
@@ -403,6 +404,18 @@ class ThreadPool:
                    and worker.thread is not threading.current_thread()])
         self._stalled.clear()
         self._outbox = queue.SimpleQueue()  # results of the stopped threads are dropped
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A pool without threads (before its first ``iter()``, stopped at an epoch's end)
+        pickles as its settings; one holding threads cannot (``refuse_live``)."""
+        if self._workers is not None and self._owner == os.getpid():
+            refuse_live(self.num_workers)
+        return {**self.__dict__, "_workers": None, "_outbox": None, "_stalled": set()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._outbox = queue.SimpleQueue()
+        self._owner = os.getpid()
 
     def __del__(self, _getpid: Callable[[], int] = os.getpid) -> None:
         workers = getattr(self, "_workers", None)

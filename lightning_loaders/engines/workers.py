@@ -52,6 +52,7 @@ from lightning_loaders.engines.pool import (
     WorkerLost,
     WorkerStalled,
     pin_target,
+    refuse_live,
 )
 from lightning_loaders.engines.transport import Packed, RingPacker, RingReader
 from lightning_loaders.schedule.requests import BatchRequest
@@ -161,6 +162,19 @@ class ProcessPool:
     def __del__(self) -> None:
         if getattr(self, "workers", None):
             self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A pool without workers (before its first ``iter()``, stopped at an epoch's end)
+        pickles as its settings; one holding workers cannot (``refuse_live``)."""
+        if self.workers and self._owner == os.getpid():
+            refuse_live(self.num_workers)
+        return {**self.__dict__, "workers": [], "_reader": None, "_started": None,
+                "_stop": None, "_stalled": set()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reader = RingReader()
+        self._owner = os.getpid()
 
     def _forked(self) -> None:
         """In a process forked from the owner (``ddp_fork``, the user's ``os.fork()``) that

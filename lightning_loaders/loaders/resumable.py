@@ -227,7 +227,7 @@ def _reduce_combined(self: ResumableLoader, protocol: Any) -> tuple[Any, ...]:
     """Pickle a combined loader by its two bases: the combined class is made at run time, so
     no importable name leads to it."""
     subclass, loader = type(self).__bases__
-    return _rebuilt, (subclass, loader), self.__dict__
+    return _rebuilt, (subclass, loader), self.__getstate__()
 
 
 def _rebuilt(subclass: type[ResumableLoader], loader: type[ResumableLoader]) -> Any:

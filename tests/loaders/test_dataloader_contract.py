@@ -591,3 +591,29 @@ def test_workers_that_do_not_persist_see_a_dataset_changed_between_epochs(option
         levels.append({int(x) % 100 for batch in loader for x in batch})
     assert levels == [{0}, {1}, {2}]
     loader.close()
+
+
+@pytest.mark.parametrize("backend", ["process", "thread"])
+def test_a_loader_whose_workers_stopped_pickles_and_one_holding_them_says_why(backend: str
+                                                                            ) -> None:
+    """After an epoch with ``persistent_workers=False`` no worker is held: it pickles and
+    copies as ``DataLoader`` does (the stopped pool's queues and the spent iterator failed).
+    One holding workers is refused naming the fix (a ``TypeError`` about an
+    ``AuthenticationString`` or a queue said nothing)."""
+    loader = ResumableLoader(RangeDataset(8), batch_size=2, shuffle=True, seed=3,
+                             num_workers=2, persistent_workers=False, backend=backend)
+    spent = iter(loader)
+    for _ in spent:
+        pass
+    reference = ResumableLoader(RangeDataset(8), batch_size=2, shuffle=True, seed=3)
+    epochs = [[batch.tolist() for batch in reference] for _ in range(2)]
+    for copied in (pickle.loads(pickle.dumps(loader)), copy.deepcopy(loader)):
+        assert [batch.tolist() for batch in copied] == epochs[1]
+        copied.close()
+    held = ResumableLoader(RangeDataset(8), batch_size=2, num_workers=2, backend=backend)
+    next(iter(held))
+    with pytest.raises(TypeError, match="while it holds 2 workers: close.. it first"):
+        pickle.dumps(held)
+    held.close()
+    assert pickle.loads(pickle.dumps(held)).state_dict() == held.state_dict()
+    loader.close()
