@@ -40,7 +40,7 @@ from lightning_loaders.loaders.out_of_order import (
     not_delivered,
     rank_entry,
 )
-from lightning_loaders.loaders.prefetch import batches_held
+from lightning_loaders.loaders.prefetch import batches_held, fit_epoch
 from lightning_loaders.loaders.resumable import LoaderOptions, ResumableLoader
 from lightning_loaders.orders.base import SampleOrder, SequentialOrder, ShuffledOrder
 from lightning_loaders.orders.from_torch import (
@@ -270,9 +270,11 @@ class MapStyleLoader(ResumableLoader):
 
     def __len__(self) -> int:
         """Batches per epoch on this rank; ``len(dataset)`` and the sampler are read again
-        between epochs."""
+        between epochs. A batch sampler's epochs may differ in length: this is the length of
+        the epoch being read, else of the one about to start (``MapSchedule.epoch_in_view``;
+        under Lightning's fit loop, the epoch it is about to declare)."""
         self._refresh_order()
-        return super().__len__()
+        return self.schedule.num_batches(upcoming=fit_epoch())
 
     def _open_epoch(self) -> Iterator[Any]:
         self._refresh_order()
@@ -502,16 +504,14 @@ def _check_plan(schedule: MapSchedule) -> None:
     """Refuse, at construction, a plan that cannot give every rank a batch in every epoch
     (for the placement known now; one resolved later is checked at the first batch)."""
     _, world_size = schedule.placement
-    if schedule.last_batch != "rollover":
-        schedule.plan_for(0, world_size)
-        return
     global_batch = schedule.batch_size * world_size
-    if schedule.dataset_len < global_batch:
+    if schedule.last_batch == "rollover" and schedule.dataset_len < global_batch:
         raise ValueError(
             f"last_batch='rollover' needs at least one global batch per epoch: "
             f"{schedule.dataset_len} samples are fewer than {world_size} ranks x batch_size "
             f"{schedule.batch_size}; use batch_size <= {schedule.dataset_len // world_size} or "
             "another last_batch policy")
+    schedule.plan_for(0, world_size)
 
 
 def _saved_skip_count(parts: Mapping[str, Any]) -> int:

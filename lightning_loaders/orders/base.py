@@ -14,7 +14,7 @@ import numpy as np
 from lightning_loaders.hashing import mix64
 from lightning_loaders.orders.permutation import KeyedPermutation
 
-__all__ = ["SampleOrder", "SequentialOrder", "ShuffledOrder"]
+__all__ = ["BatchedOrder", "SampleOrder", "SequentialOrder", "ShuffledOrder"]
 
 _CHUNK_BITS = 16
 _CHUNK = 1 << _CHUNK_BITS
@@ -35,6 +35,20 @@ class SampleOrder(Protocol):
     @property
     def fingerprint(self) -> str:
         """A short description that changes whenever the order would change (checked on resume)."""
+        ...
+
+
+@runtime_checkable
+class BatchedOrder(SampleOrder, Protocol):
+    """An order made of a batch sampler's batches, which may differ in size from epoch to
+    epoch (``DrawnBatchOrder``)."""
+
+    batch_size: int
+    """The size of the batches of an epoch planned as positions cut into equal batches."""
+
+    def batch_bounds(self, epoch: int) -> np.ndarray | None:
+        """Where each batch of ``epoch`` begins among its positions, then the epoch's end
+        (``None``: the epoch is cut into batches of ``batch_size``)."""
         ...
 
 

@@ -10,6 +10,10 @@ rank then holds the same epoch and the global plan gives each rank its slice of 
 batch. The first draw is made twice to check that the sampler is deterministic given that
 seeding; if not, exact resume and consistent ranks are impossible and a warning says so.
 
+A batch sampler's epoch is its batches laid end to end; when they are not of one size
+(bucketing by length, token budgets) the order also gives their boundaries, and the plan deals
+the batches themselves (``DrawnBatchOrder``).
+
 The state is the loader's cursor plus, when the sampler has ``state_dict``/``load_state_dict``,
 its state just before and just after the draw of the epochs in the cache.
 """
@@ -23,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from itertools import islice
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -41,6 +45,20 @@ MAX_DRAWN = 1 << 24
 """The most items an epoch of a sampler without ``len()`` may yield (16.8M)."""
 
 
+class _Drawn(NamedTuple):
+    """An epoch as drawn: its indices and, for a batch sampler's epoch that is not cut into
+    batches of one size, the boundaries of its batches (``DrawnBatchOrder.batch_bounds``)."""
+
+    indices: np.ndarray
+    bounds: np.ndarray | None = None
+
+    def same_as(self, other: _Drawn) -> bool:
+        if self.bounds is None or other.bounds is None:
+            return self.bounds is other.bounds and np.array_equal(self.indices, other.indices)
+        return (np.array_equal(self.indices, other.indices)
+                and np.array_equal(self.bounds, other.bounds))
+
+
 class DrawnOrder:
     """Any other sampler: its indices, drawn once per epoch with seeded randomness."""
 
@@ -56,7 +74,7 @@ class DrawnOrder:
         self.sampler = sampler
         self.seed = seed
         self._name = type(sampler).__qualname__
-        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._cache: OrderedDict[int, _Drawn] = OrderedDict()
         self._states: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self._pending: dict[int, dict[str, Any]] | None = None
         self._checked = False
@@ -64,14 +82,14 @@ class DrawnOrder:
         self._length = _declared_length(sampler) if not self.batched else None
         self._declared = self._length is not None
         if self._length is None:
-            self._length = len(self._epoch(0))
+            self._length = len(self._drawn(0).indices)
 
     def __len__(self) -> int:
         assert self._length is not None
         return self._length
 
     def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
-        return self._epoch(epoch)[np.asarray(positions, dtype=np.int64)]
+        return self._drawn(epoch).indices[np.asarray(positions, dtype=np.int64)]
 
     @property
     def fingerprint(self) -> str:
@@ -92,7 +110,7 @@ class DrawnOrder:
 
     # -- drawing ----------------------------------------------------------------------------
 
-    def _epoch(self, epoch: int) -> np.ndarray:
+    def _drawn(self, epoch: int) -> _Drawn:
         cached = self._cache.get(epoch)
         if cached is not None:
             return cached
@@ -112,7 +130,7 @@ class DrawnOrder:
             if before is not None:
                 self.sampler.load_state_dict(copy.deepcopy(before))
             again = self._draw(epoch)
-            if not np.array_equal(drawn, again):
+            if not drawn.same_as(again):
                 warnings.warn(
                     f"{self._name} is not deterministic given the seed: two draws of epoch "
                     f"{epoch} after the same seeding differed. Ranks will draw different orders "
@@ -126,7 +144,7 @@ class DrawnOrder:
         self._remember(epoch, drawn, before)
         return drawn
 
-    def _draw(self, epoch: int) -> np.ndarray:
+    def _draw(self, epoch: int) -> _Drawn:
         with _seeded(self.sampler, self.seed, epoch), _epoch_kept(self.sampler):
             set_epoch = getattr(self.sampler, "set_epoch", None)
             if callable(set_epoch):
@@ -134,7 +152,7 @@ class DrawnOrder:
             items = iter(self.sampler)
             return self._collect(items, epoch)
 
-    def _collect(self, items: Iterator[Any], epoch: int) -> np.ndarray:
+    def _collect(self, items: Iterator[Any], epoch: int) -> _Drawn:
         if not self._declared:
             drawn = _as_indices(_listed(items, self._name, "indices", "Give it a __len__: each "
                                         "epoch then takes its first len() indices"), self._name)
@@ -145,7 +163,7 @@ class DrawnOrder:
                     "the first one's length (the plan and len() are fixed from it). Give the "
                     "sampler a __len__ that says each epoch's length: a changed len() is "
                     "followed between epochs")
-            return drawn
+            return _Drawn(drawn)
         drawn = _as_indices(list(islice(items, self._length)), self._name)
         if not len(drawn) and self._length:
             raise _NothingDrawn(f"{self._name} yielded no index in epoch {epoch}, but len() is "
@@ -159,9 +177,9 @@ class DrawnOrder:
                 f"takes its first {self._length}, as a trainer that stops at len() reads an "
                 "endless sampler (DataLoader would deliver them all). Make len() the epoch's "
                 "length if it is not.", stacklevel=6)
-        return drawn
+        return _Drawn(drawn)
 
-    def _remember(self, epoch: int, drawn: np.ndarray, before: Any) -> None:
+    def _remember(self, epoch: int, drawn: _Drawn, before: Any) -> None:
         self._cache[epoch] = drawn
         after = _sampler_state(self.sampler)
         if after is not None:
@@ -190,8 +208,12 @@ class DrawnBatchOrder(DrawnOrder):
     """Any other batch sampler: its batches laid end to end, so that global batch ``g`` holds
     its batches ``g * world_size ..`` and rank ``r`` reads batch ``g * world_size + r``.
 
-    All batches but the last must have the same size (``batch_size``, learnt from the first
-    draw); a shorter last one is kept. Variable-size batches (bucketing) cannot be planned.
+    ``batch_size`` and ``len()`` are learnt from the first draw (epoch 0): its first batch's
+    size and its number of indices. An epoch with as many indices whose batches all have that
+    size (the last may be shorter) is planned as positions cut into batches of ``batch_size``
+    (``EpochPlan``), as it always was. Any other epoch (bucketing by length, token budgets:
+    sizes differ, and so may the number of batches and of indices) has ``batch_bounds``, and
+    the plan deals its batches whole (``BoundaryPlan``).
     """
 
     batched = True
@@ -204,27 +226,31 @@ class DrawnBatchOrder(DrawnOrder):
     def fingerprint(self) -> str:
         return f"drawn-batches({self._name}, len={self._length}, batch_size={self.batch_size})"
 
-    def _collect(self, items: Iterator[Any], epoch: int) -> np.ndarray:
+    def batch_bounds(self, epoch: int) -> np.ndarray | None:
+        """Where each batch of ``epoch`` begins among its positions, then the epoch's end
+        (``None``: the epoch is cut into batches of ``batch_size``)."""
+        return self._drawn(epoch).bounds
+
+    def _collect(self, items: Iterator[Any], epoch: int) -> _Drawn:
         batches = [_as_indices(list(batch), self._name)
                    for batch in _listed(items, self._name, "batches", "Give each epoch an end")]
-        sizes = [len(batch) for batch in batches]
-        if not sizes or sizes[0] == 0:
-            raise ValueError(f"{self._name} yielded no batch (or an empty one) in epoch {epoch}")
+        if not batches:
+            raise _NothingDrawn(f"{self._name} yielded no batch in epoch {epoch}")
+        sizes = np.array([len(batch) for batch in batches], dtype=np.int64)
+        empty = np.flatnonzero(sizes == 0)
+        if empty.size:
+            raise ValueError(f"{self._name} yielded an empty batch (batch {empty[0]} of epoch "
+                             f"{epoch}): every batch needs at least one index")
         if self.batch_size == 0:
-            self.batch_size = sizes[0]
-        odd = [i for i, size in enumerate(sizes[:-1]) if size != self.batch_size]
-        if odd or sizes[-1] > self.batch_size:
-            i = odd[0] if odd else len(sizes) - 1
-            raise ValueError(
-                f"{self._name} yields batches of different sizes ({sizes[i]} at batch {i} of "
-                f"epoch {epoch}, batch_size {self.batch_size} before): a distributed plan needs "
-                "one batch size (only the last batch may be shorter)"
-            )
+            self.batch_size = int(sizes[0])
         drawn = np.concatenate(batches)
-        if self._length is not None and len(drawn) != self._length:
-            raise ValueError(f"{self._name} yielded {len(drawn)} indices in epoch {epoch}, "
-                             f"{self._length} in the first: every epoch must have the same length")
-        return drawn
+        if ((sizes[:-1] == self.batch_size).all() and sizes[-1] <= self.batch_size
+                and self._length in (None, len(drawn))):
+            return _Drawn(drawn)
+        bounds = np.zeros(len(sizes) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=bounds[1:])
+        bounds.flags.writeable = False
+        return _Drawn(drawn, bounds)
 
 
 class _NothingDrawn(ValueError):

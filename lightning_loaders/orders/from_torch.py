@@ -149,7 +149,8 @@ def unbatched_sampler(batch_sampler: Any, seed: int) -> tuple[Any, int, bool]:
     A torch ``BatchSampler`` is its sampler cut into batches: that sampler is given back, to
     be ordered as any sampler is (``order_from_sampler``, which follows it when it changes in
     place, and places the loader by a ``DistributedSampler``); any other batch sampler is drawn
-    once per epoch and its (fixed-size) batches laid end to end (a ``DrawnBatchOrder``).
+    once per epoch and its batches laid end to end (a ``DrawnBatchOrder``; batches of
+    different sizes are planned whole), ``batch_size`` being its first batch's size.
     """
     if type(batch_sampler) is BatchSampler:
         return batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last

@@ -4,6 +4,10 @@ It answers "which dataset indices does this rank read in each remaining batch of
 epoch", owns the epoch against the trainer's ``set_epoch`` calls, counts delivered batches and
 saves/restores itself as a ``LoaderState``. ``ResumableLoader`` and the DALI/FFCV adapters
 differ only in the engine that turns its requests into batches.
+
+An epoch is planned as positions cut into batches of ``batch_size`` (``EpochPlan``), or, for a
+batch sampler's epoch whose batches differ in size, as those batches dealt whole
+(``BoundaryPlan``); either way the cursor and the state are the same few integers.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 
 from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.hashing import checked_seed
-from lightning_loaders.orders.base import SampleOrder
+from lightning_loaders.orders.base import BatchedOrder, SampleOrder
 from lightning_loaders.schedule.audit import (
     AUDIT,
     audit_part,
@@ -27,7 +31,13 @@ from lightning_loaders.schedule.audit import (
     check_audit,
     reaudited,
 )
-from lightning_loaders.schedule.epochs import EpochOwner, warn_past_len
+from lightning_loaders.schedule.boundary_plan import BoundaryPlan
+from lightning_loaders.schedule.epochs import (
+    EpochOwner,
+    following_epoch,
+    trainer_moved_on,
+    warn_past_len,
+)
 from lightning_loaders.schedule.map_plan import (
     LAST_BATCH_POLICIES,
     EpochPlan,
@@ -39,9 +49,13 @@ from lightning_loaders.state import LoaderState, is_stateful
 
 __all__ = [
     "MapSchedule",
+    "Plan",
     "resolve_last_batch",
     "resolve_seed",
 ]
+
+Plan = EpochPlan | BoundaryPlan
+"""An epoch's plan: positions cut into equal batches, or a batch sampler's batches dealt whole."""
 
 KIND = "map"
 ORDER_STATE = "order"  # the part holding the order's own state (a drawn sampler's, weights)
@@ -67,28 +81,51 @@ class MapSchedule(EpochOwner):
         self.seed = seed
         super().__init__(rank, world_size)
         self._offset_batches = 0
-        self.plan: EpochPlan | None = None
+        self.plan: Plan | None = None
         self._audited: tuple[tuple[int, ...], str] | None = None  # the last digest, cached
 
     # -- size -------------------------------------------------------------------------------
 
-    def num_batches(self) -> int:
-        """Batches per epoch on this rank (equal on every rank)."""
+    def num_batches(self, upcoming: int | None = None) -> int:
+        """Batches per epoch on this rank (equal on every rank), in the epoch in view
+        (``epoch_in_view``: epochs of a batch sampler may differ in length; others do not)."""
         if self.last_batch == "rollover":
             raise TypeError("len() is undefined with last_batch='rollover': epochs differ in "
                             "length by one batch as leftovers roll over")
-        return self.plan_for(0, self.placement[1]).num_batches
+        return self.plan_for(self.epoch_in_view(upcoming), self.placement[1]).num_batches
 
     def samples_per_epoch(self) -> int:
-        """Samples this rank reads in a full epoch."""
+        """Samples this rank reads in the epoch in view."""
         rank, world_size = self.placement
-        plan = self.plan_for(0, world_size)
+        plan = self.plan_for(self.epoch_in_view(), world_size)
         return sum(len(plan.positions(b, rank)) for b in range(plan.num_batches))
 
-    def plan_for(self, epoch: int, world_size: int, offset_position: int = 0) -> EpochPlan:
+    def epoch_in_view(self, upcoming: int | None = None) -> int:
+        """The epoch ``len()`` describes: a restored state's; the epoch being read while it
+        has batches left and the trainer has not moved past it; else the one the next epoch
+        start begins. ``upcoming``: the epoch a trainer is about to declare, when it reads
+        ``len()`` before calling ``set_epoch`` (Lightning's fit loop does)."""
+        state = self._pending
+        if state is not None:
+            return state.epoch
+        trainer = self._trainer_epoch if upcoming is None else upcoming
+        if (self.plan is not None and self.epoch is not None and self.remaining > 0
+                and not trainer_moved_on(trainer, self._owner, self.epoch)):
+            return self.epoch
+        return following_epoch(self.epoch, trainer, self._owner)
+
+    def plan_for(self, epoch: int, world_size: int, offset_position: int = 0) -> Plan:
+        bounds = self._batch_bounds(epoch)
         if self.last_batch == "rollover":
+            if bounds is not None:
+                raise ValueError(
+                    f"last_batch='rollover' needs batches of one size, but the batch "
+                    f"sampler's batches differ in size in epoch {epoch}: use last_batch="
+                    "'keep', 'drop' or 'pad'")
             start, stop = rollover_span(epoch, self.dataset_len, self.batch_size * world_size)
             return EpochPlan(start, stop, self.batch_size, world_size, "drop")
+        if bounds is not None:
+            return self._boundary_plan(epoch, bounds, world_size, offset_position)
         plan = EpochPlan(offset_position, self.dataset_len, self.batch_size, world_size,
                          self.last_batch, merge_short_tail=self.merge_short_tail)
         if offset_position == 0 and self.dataset_len == 0:
@@ -102,6 +139,33 @@ class MapSchedule(EpochOwner):
                 "smaller batch_size, fewer ranks, or last_batch='pad' (or 'keep' with at least "
                 "one sample per rank)"
             )
+        return plan
+
+    def _batch_bounds(self, epoch: int) -> np.ndarray | None:
+        """The boundaries of ``epoch``'s batches when the order is a batch sampler's whose
+        batches differ in size in that epoch (``None``: positions cut into equal batches)."""
+        order = self.order
+        if not isinstance(order, BatchedOrder):
+            return None
+        bounds = order.batch_bounds(epoch)
+        if bounds is not None and order.batch_size != self.batch_size:
+            raise ValueError(
+                f"batch_size={self.batch_size} would cut anew the batch sampler's batches, "
+                f"which differ in size in epoch {epoch}: leave batch_size out (its batches "
+                "are read as it makes them)")
+        return bounds
+
+    def _boundary_plan(self, epoch: int, bounds: np.ndarray, world_size: int,
+                       offset_position: int) -> BoundaryPlan:
+        """The plan of a batch sampler's batches of different sizes, checked as ``EpochPlan``s
+        are: a whole epoch must give every rank a batch."""
+        assert self.last_batch != "rollover"
+        plan = BoundaryPlan.from_position(bounds, offset_position, world_size, self.last_batch)
+        if offset_position == 0 and plan.num_batches == 0:
+            raise ValueError(
+                f"last_batch='drop' leaves no batch: epoch {epoch} of the batch sampler has "
+                f"{len(bounds) - 1} batches, fewer than {world_size} ranks; use last_batch="
+                "'pad' or 'keep', or fewer ranks")
         return plan
 
     # -- epochs -----------------------------------------------------------------------------
@@ -319,16 +383,16 @@ class MapSchedule(EpochOwner):
         return {ORDER_STATE: self.order.state_dict()} if is_stateful(self.order) else {}
 
 
-def _batch_requests(plan: EpochPlan, epoch: int, batches: int, offset_batches: int, rank: int,
+def _batch_requests(plan: Plan, epoch: int, batches: int, offset_batches: int, rank: int,
                     order: SampleOrder, stream_epoch_len: int | None) -> Iterator[BatchRequest]:
     """Requests for batches ``batches..`` of ``plan`` (a free function: the generator must not
     keep its schedule alive). ``stream_epoch_len`` is set when positions are rollover stream
     positions, which span the permutations of two epochs.
 
     Even batches are planned a block at a time (one ``order.indices`` call per block), the last
-    one or two batches of an epoch one by one.
+    one or two batches of an epoch, and batches of different sizes, one by one.
     """
-    block = max(1, _BLOCK_SAMPLES // plan.batch_size)
+    block = max(1, _BLOCK_SAMPLES // plan.batch_size) if isinstance(plan, EpochPlan) else 1
     batch = batches - offset_batches
     while batch < plan.num_batches:
         stop = min(batch + block, plan.even_batches)

@@ -368,6 +368,55 @@ def test_a_custom_batch_sampler_keeps_its_batches_and_resumes() -> None:
     assert full[0] == [drawn[i:i + 3] for i in range(0, N, 3)]
 
 
-def test_variable_size_batches_are_refused_with_sizes() -> None:
-    with pytest.raises(ValueError, match="batches of different sizes \\(4 at batch 1"):
-        DrawnBatchOrder(Buckets(ragged=True), seed=0)
+def test_epochs_of_one_batch_size_have_no_bounds_and_keep_their_fingerprint() -> None:
+    order = DrawnBatchOrder(Buckets(), seed=3)
+    assert order.batch_bounds(0) is None and order.batch_bounds(1) is None
+    assert order.fingerprint == "drawn-batches(Buckets, len=21, batch_size=3)"
+
+
+def test_batches_of_different_sizes_are_kept_with_their_bounds() -> None:
+    order = DrawnBatchOrder(Buckets(ragged=True), seed=0)
+    bounds = order.batch_bounds(0)
+    assert bounds is not None and np.diff(bounds).tolist() == [3, 4, 3, 4, 3, 4]
+    assert sorted(order.indices(0, np.arange(N)).tolist()) == list(range(N))
+    assert (order.batch_size, len(order)) == (3, N)
+
+
+class Budget(Sampler[list[int]]):
+    """Token budgets: epoch ``e`` packs a new permutation of ``n`` lengths into batches of at
+    most ``budget`` tokens, so the number of batches (and, with ``drop``, of indices) varies."""
+
+    def __init__(self, n: int = N, budget: int = 9, drop: bool = False) -> None:
+        self.n, self.budget, self.drop, self.epoch = n, budget, drop, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = torch.randperm(self.n).tolist()
+        if self.drop:
+            order = order[:self.n - self.epoch % 3]
+        batches, batch, tokens = [], [], 0
+        for i in order:
+            length = 1 + i % 5
+            if batch and tokens + length > self.budget:
+                batches.append(batch)
+                batch, tokens = [], 0
+            batch.append(i)
+            tokens += length
+        return iter([*batches, batch])
+
+
+def test_epochs_may_differ_in_batches_and_indices() -> None:
+    order = DrawnBatchOrder(Budget(drop=True), seed=1)
+    epochs = [order.batch_bounds(e) for e in range(4)]
+    assert all(bounds is not None for bounds in epochs)
+    assert len({len(bounds) for bounds in epochs}) > 1
+    assert [int(bounds[-1]) for bounds in epochs] == [N, N - 1, N - 2, N]
+    for epoch, bounds in enumerate(epochs):
+        assert len(set(order.indices(epoch, np.arange(bounds[-1])).tolist())) == bounds[-1]
+
+
+def test_an_empty_batch_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"an empty batch \(batch 1 of epoch 0\)"):
+        DrawnBatchOrder([[0, 1], [], [2]], seed=0)
