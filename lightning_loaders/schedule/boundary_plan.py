@@ -63,10 +63,11 @@ class BoundaryPlan:
         full, rest = self._rounds()
         _, samples = self._tail()
         if self.last_batch == "keep" and 0 < samples < self.world_size and full == 0:
+            ranks = f"{samples} rank" + "s" * (samples > 1)
             raise ValueError(
                 f"last_batch='keep' cannot give each of {self.world_size} ranks a non-empty "
-                f"batch from the {rest} batches ({samples} samples) left of the batch "
-                f"sampler's epoch; use last_batch='pad', or at most {samples} ranks")
+                f"batch from the {samples} samples left of the batch sampler's epoch (in "
+                f"{rest} batches); use last_batch='pad', or at most {ranks}")
 
     @property
     def start(self) -> int:

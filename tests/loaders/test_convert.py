@@ -115,6 +115,33 @@ def test_a_custom_batch_sampler_converts_with_its_batch_size() -> None:
     assert sorted(i for b in batches for i in b) == list(range(10))
 
 
+def test_a_bucketing_batch_sampler_converts_with_its_batches_dealt_whole() -> None:
+    class Buckets(torch.utils.data.Sampler[list[int]]):
+        """Batches of 1 to 4 samples, sized by the sample's "length" (index % 4)."""
+
+        def __iter__(self):
+            perm = torch.randperm(17).tolist()
+            batches, start = [], 0
+            while start < 17:
+                size = 1 + perm[start] % 4
+                batches.append(perm[start:start + size])
+                start += size
+            return iter(batches)
+
+    def make(rank: int = 0, world_size: int = 1):
+        return make_resumable(DataLoader(IndexDataset(17), batch_sampler=Buckets()), seed=3,
+                              rank=rank, world_size=world_size)
+
+    single = check_resume_at_every_step(make, epochs=2, key=indices)
+    assert len({len(b) for b in single[0]}) > 1
+    ranks = [run_epochs(make(r, 2), range(2), key=indices) for r in range(2)]
+    for epoch, batches in enumerate(single):
+        assert len(ranks[0][epoch]) == len(ranks[1][epoch])
+        whole = len(batches) // 2 * 2
+        assert [ranks[g % 2][epoch][g // 2] for g in range(whole)] == batches[:whole]
+        assert sorted(i for r in ranks for b in r[epoch] for i in b) == list(range(17))
+
+
 def test_an_existing_resumable_loader_passes_through() -> None:
     loader = ResumableLoader(IndexDataset(5))
     assert make_resumable(loader) is loader

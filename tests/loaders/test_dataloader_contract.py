@@ -131,8 +131,9 @@ class _Batches:
         return -(-self.n // self.size)
 
 
-@pytest.mark.parametrize("batch_sampler", [[[0, 1, 2], [3, 4, 5], [6]], _Batches(7, 3)],
-                         ids=["list", "generator"])
+@pytest.mark.parametrize("batch_sampler", [[[0, 1, 2], [3, 4, 5], [6]], _Batches(7, 3),
+                                           [[4, 1], [0], [6, 2, 5, 3]]],
+                         ids=["list", "generator", "sizes-differ"])
 def test_any_iterable_of_index_lists_is_a_batch_sampler(batch_sampler) -> None:
     data = IndexDataset(7)
     ours = ResumableLoader(data, batch_sampler=batch_sampler)

@@ -110,6 +110,26 @@ def test_resume_from_every_step_delivers_exactly_the_rest(tmp_path: Path) -> Non
     assert any(state["parts"]["window"]["ranks"][0][1] for state in states)  # some were ahead
 
 
+def test_batches_of_different_sizes_arrive_out_of_order_and_resume_exactly(tmp_path: Path
+                                                                          ) -> None:
+    gate = tmp_path / "gate"
+    sizes = [3, 1, 4, 1, 5, 2, 6, 2]
+    plan = [tuple(range(sum(sizes[:i]), sum(sizes[:i + 1]))) for i in range(len(sizes))]
+
+    def make() -> ResumableLoader:
+        return ResumableLoader(Gated(24, str(gate), frozenset({0})), num_workers=2, seed=5,
+                               batch_sampler=[list(batch) for batch in plan], in_order=False)
+
+    states: list = []
+    first = _run(make(), gate, states)
+    assert sorted(first) == sorted(plan) and first != plan
+    for step, state in enumerate(states):
+        resumed = make()
+        resumed.load_state_dict(state)
+        rest = _run(resumed, gate) if step < len(states) - 1 else []
+        assert Counter(first[:step + 1]) + Counter(rest) == Counter(plan), step
+
+
 def test_a_resumed_loader_can_be_saved_before_it_starts(tmp_path: Path) -> None:
     gate = tmp_path / "gate"
     states: list = []

@@ -142,7 +142,7 @@ def test_a_tail_with_fewer_samples_than_ranks_joins_the_last_global_batch() -> N
 
 
 def test_keep_refuses_an_epoch_with_fewer_samples_than_ranks() -> None:
-    with pytest.raises(ValueError, match="2 batches \\(2 samples\\).*'pad', or at most 2 ranks"):
+    with pytest.raises(ValueError, match=r"2 samples left.*\(in 2 batches\).*or at most 2 ranks"):
         BoundaryPlan(bounds_of([1, 1]), 0, 3, "keep")
 
 
