@@ -116,6 +116,25 @@ class EpochOwner:
         self._owner = trainer
         self._start_epoch(epoch, rank, world_size)
 
+    def restored_epoch(self, trainer_epoch: int | None, declared: bool) -> int | None:
+        """The epoch the restored state pending is read in at the next epoch start, were the
+        trainer's epoch ``trainer_epoch`` then (``declared``: given after the restore), as
+        ``begin_epoch`` decides it, from the state alone (``None``: no state pending)."""
+        state = self._pending
+        if state is None:
+            return None
+        owner = state.trainer_epoch
+        if not state.abandoned and not trainer_moved_on(trainer_epoch, owner, state.epoch):
+            if still_draining(trainer_epoch if declared else None, owner):
+                return state.epoch
+            try:
+                rest = self._rest_of(state, *self.placement)
+            except (TypeError, ValueError):
+                return state.epoch
+            if rest is None or rest > 0:
+                return state.epoch
+        return following_epoch(state.epoch, trainer_epoch, owner)
+
     def abandon_finished_restore(self) -> bool:
         """Mark a restored state waiting at its epoch's end ``abandoned``: the next epoch start
         begins the next epoch without reading that epoch's plan again (its data changed since,

@@ -101,14 +101,15 @@ class MapSchedule(EpochOwner):
         return sum(len(plan.positions(b, rank)) for b in range(plan.num_batches))
 
     def epoch_in_view(self, upcoming: int | None = None) -> int:
-        """The epoch ``len()`` describes: a restored state's; the epoch being read while it
-        has batches left and the trainer has not moved past it; else the one the next epoch
-        start begins. ``upcoming``: the epoch a trainer is about to declare, when it reads
-        ``len()`` before calling ``set_epoch`` (Lightning's fit loop does)."""
-        state = self._pending
-        if state is not None:
-            return state.epoch
+        """The epoch ``len()`` describes: the one a restored state is read in; the epoch being
+        read while it has batches left and the trainer has not moved past it; else the one
+        the next epoch start begins. ``upcoming``: the epoch a trainer is about to declare,
+        when it reads ``len()`` before calling ``set_epoch`` (Lightning's fit loop does)."""
         trainer = self._trainer_epoch if upcoming is None else upcoming
+        restored = self.restored_epoch(trainer, upcoming is not None
+                                       or self._declared_for is self._pending)
+        if restored is not None:
+            return restored
         if (self.plan is not None and self.epoch is not None and self.remaining > 0
                 and not trainer_moved_on(trainer, self._owner, self.epoch)):
             return self.epoch

@@ -7,8 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 
 from lightning_loaders import ResumableLoader, make_resumable
 from lightning_loaders.testing import (
@@ -18,41 +17,11 @@ from lightning_loaders.testing import (
     run_epochs,
     set_epoch,
 )
+from tests import buckets
+from tests.buckets import LengthBuckets, dealt, flat
 from tests.conftest import IndexDataset
 
 N, EPOCHS = 37, 3
-
-
-def length(index: int) -> int:
-    """The "sequence length" of sample ``index``."""
-    return 1 + (index * 7) % 11
-
-
-class LengthBuckets(Sampler[list[int]]):
-    """Bucketing by length: a permutation (new at every ``set_epoch``) sorted by length in pools
-    of 16, cut into batches of at most ``budget`` padded tokens, in a shuffled order. Batch
-    sizes differ, and so does their number from epoch to epoch."""
-
-    def __init__(self, n: int = N, budget: int = 24) -> None:
-        self.n, self.budget, self.epoch = n, budget, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        generator = torch.Generator().manual_seed(self.epoch)
-        perm = torch.randperm(self.n, generator=generator).tolist()
-        batches: list[list[int]] = []
-        for start in range(0, self.n, 16):
-            batch: list[int] = []
-            for i in sorted(perm[start:start + 16], key=length):
-                if batch and (len(batch) + 1) * length(i) > self.budget:
-                    batches.append(batch)
-                    batch = []
-                batch.append(i)
-            batches.append(batch)
-        order = torch.randperm(len(batches), generator=generator).tolist()
-        return iter([batches[j] for j in order])
 
 
 def indices(batch: Any) -> list[int]:
@@ -60,23 +29,12 @@ def indices(batch: Any) -> list[int]:
 
 
 def make(rank: int | None = None, world: int | None = None, **kwargs: Any) -> ResumableLoader:
-    return ResumableLoader(IndexDataset(N), batch_sampler=LengthBuckets(), seed=3, rank=rank,
+    return ResumableLoader(IndexDataset(N), batch_sampler=LengthBuckets(N), seed=3, rank=rank,
                            world_size=world, **kwargs)
 
 
 def sampler_epochs(epochs: int = EPOCHS) -> list[list[list[int]]]:
-    """The sampler's own batches per epoch, as a ``DataLoader`` reads them."""
-    sampler = LengthBuckets()
-    loader = DataLoader(IndexDataset(N), batch_sampler=sampler)
-    out = []
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        out.append([indices(batch) for batch in loader])
-    return out
-
-
-def flat(batches: list[list[int]]) -> list[int]:
-    return [i for batch in batches for i in batch]
+    return buckets.sampler_epochs(N, epochs)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -91,7 +49,7 @@ def test_one_process_reads_what_a_dataloader_reads(num_workers: int) -> None:
         lengths.append(len(loader))
         assert [indices(batch) for batch in loader] == expected[epoch]
     assert lengths == [len(epoch) for epoch in expected]
-    converted = make_resumable(DataLoader(IndexDataset(N), batch_sampler=LengthBuckets()))
+    converted = make_resumable(DataLoader(IndexDataset(N), batch_sampler=LengthBuckets(N)))
     assert run_epochs(converted, range(EPOCHS), key=indices) == expected
 
 
@@ -116,33 +74,6 @@ def test_a_state_resumes_under_another_num_workers() -> None:
 def ranks_read(world: int, epochs: int = EPOCHS, **kwargs: Any) -> list[list[list[list[int]]]]:
     """Per rank, per epoch, the batches it reads."""
     return [run_epochs(make(r, world, **kwargs), range(epochs), indices) for r in range(world)]
-
-
-def dealt(batches: list[list[int]], world: int, last_batch: str = "keep"
-          ) -> list[list[list[int]]]:
-    """Per rank, the batches the documented rule deals from ``batches``: global batch ``g``
-    is batches ``g * world ..``, whole; then the tail of fewer than ``world`` batches is
-    dropped, padded with batches from the start, or its samples split evenly (joining the
-    last global batch, one each on the first ranks, when they are fewer than the ranks)."""
-    full, rest = divmod(len(batches), world)
-    ranks = [[batches[g * world + r] for g in range(full)] for r in range(world)]
-    tail = flat(batches[full * world:])
-    if not rest or last_batch == "drop":
-        return ranks
-    if last_batch == "pad":
-        for r in range(world):
-            ranks[r].append(batches[full * world + r] if r < rest
-                            else batches[(r - rest) % len(batches)])
-        return ranks
-    if len(tail) < world:
-        for r, index in enumerate(tail):
-            ranks[r][-1] = ranks[r][-1] + [index]
-        return ranks
-    share, extra = divmod(len(tail), world)
-    for r in range(world):
-        begin = r * share + min(r, extra)
-        ranks[r].append(tail[begin:begin + share + (r < extra)])
-    return ranks
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -211,21 +142,26 @@ def test_a_one_rank_state_resumes_on_two_ranks_dealing_the_rest() -> None:
 
 
 def test_len_follows_the_epoch_in_view() -> None:
-    expected = sampler_epochs()
+    """The epoch being read, else the one about to start: after ``set_epoch``, after an epoch's
+    end, after a restored state (mid-epoch: its epoch; at its end: the next)."""
+    expected = sampler_epochs(EPOCHS + 1)
     loader = make()
     assert len(loader) == len(expected[0])
+    states = []
     for epoch in range(EPOCHS):
         set_epoch(loader, epoch)
         assert len(loader) == len(expected[epoch])
         batches = iter(loader)
         next(batches)
+        states.append(loader.state_dict())
         assert len(loader) == len(expected[epoch])
         assert len(loader.sampler) == N
         list(batches)
-        assert len(loader) == len(expected[epoch + 1]) if epoch + 1 < EPOCHS else True
-    resumed = make()
-    resumed.load_state_dict(loader.state_dict())
-    assert len(resumed) == len(expected[EPOCHS - 1])
+        assert len(loader) == len(expected[epoch + 1])
+    for epoch, state in enumerate([*states, loader.state_dict()]):
+        resumed = make()
+        resumed.load_state_dict(state)
+        assert len(resumed) == len(expected[epoch]), epoch
 
 
 class _Shrinking(LengthBuckets):
@@ -239,7 +175,7 @@ class _Shrinking(LengthBuckets):
 
 def test_epochs_with_different_numbers_of_indices_are_read_whole() -> None:
     def shrinking(rank: int = 0, world: int = 1) -> ResumableLoader:
-        return ResumableLoader(IndexDataset(N), batch_sampler=_Shrinking(), seed=3, rank=rank,
+        return ResumableLoader(IndexDataset(N), batch_sampler=_Shrinking(N), seed=3, rank=rank,
                                world_size=world)
 
     full = check_resume_at_every_step(shrinking, epochs=EPOCHS, key=indices)
@@ -259,7 +195,7 @@ def _refused(make_loader: Callable[[], ResumableLoader], match: str) -> None:
 def test_what_cannot_be_planned_is_refused_with_the_fix() -> None:
     _refused(lambda: make(last_batch="rollover"),
              "'rollover' needs batches of one size.*use last_batch='keep', 'drop' or 'pad'")
-    _refused(lambda: make_resumable(DataLoader(IndexDataset(N), batch_sampler=LengthBuckets()),
+    _refused(lambda: make_resumable(DataLoader(IndexDataset(N), batch_sampler=LengthBuckets(N)),
                                     batch_size=4),
              "batch_size=4 would cut anew the batch sampler's batches.*leave batch_size out")
     _refused(lambda: ResumableLoader(IndexDataset(3), batch_sampler=[[0], [1, 2]], rank=0,

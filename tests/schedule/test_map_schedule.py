@@ -9,8 +9,10 @@ import torch
 
 from lightning_loaders import DynamicWeightedSampler, Mix, ResumableLoader
 from lightning_loaders.orders.base import ShuffledOrder
+from lightning_loaders.orders.drawn import DrawnBatchOrder
 from lightning_loaders.schedule.map_schedule import MapSchedule
 from lightning_loaders.testing import checkpoint_roundtrip
+from tests.buckets import LengthBuckets, sampler_epochs
 
 
 def _expected(schedule: MapSchedule) -> list[tuple[int, list[int], list[int], list[int]]]:
@@ -78,3 +80,28 @@ def test_a_restored_state_saved_again_before_its_first_batch_keeps_new_weights(m
     resumed, _ = make()
     resumed.load_state_dict(again)
     assert [b.tolist() for b in resumed] == [b.tolist() for b in live]
+
+
+def test_len_is_the_epoch_a_trainer_is_about_to_declare() -> None:
+    """Lightning reads ``len()`` before ``set_epoch``: a fresh schedule, a finished epoch and a
+    state restored at its epoch's end all answer for the epoch it is about to declare."""
+    counts = [len(epoch) for epoch in sampler_epochs(37, 4)]
+    assert len(set(counts)) > 1
+
+    def schedule() -> MapSchedule:
+        order = DrawnBatchOrder(LengthBuckets(37), seed=0)
+        return MapSchedule(order, order.batch_size, "keep", seed=0, rank=0, world_size=1)
+
+    fresh = schedule()
+    assert [fresh.num_batches(upcoming=e) for e in range(4)] == counts
+    read = schedule()
+    read.set_epoch(1)
+    read.begin_epoch()
+    while read.remaining:
+        assert read.num_batches() == counts[1]
+        read.delivered()
+    assert (read.num_batches(), read.num_batches(upcoming=3)) == (counts[2], counts[3])
+    restored = schedule()
+    restored.load_state_dict(checkpoint_roundtrip(read.state_dict()))
+    assert restored.num_batches() == counts[2]
+    assert restored.num_batches(upcoming=3) == counts[3]
