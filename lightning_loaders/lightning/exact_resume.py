@@ -319,7 +319,11 @@ class ExactResume(Callback):
         if (fit_loop.restarted_mid_epoch and epoch_loop.restarted_on_train_batch_end
                 and epoch_loop.batch_progress.is_last_batch):
             fit_loop.reset_restart_stage()
-            _count_as_epoch_end(epoch_loop, trainer.num_training_batches)
+            # a reload before the next epoch reads len() again, which may change (a batch
+            # sampler's epochs differ in length): then the end is counted as for no len()
+            reload = fit_loop._should_reload_train_dl
+            _count_as_epoch_end(epoch_loop, float("inf") if reload
+                                else trainer.num_training_batches)
         self._run_pending(trainer, pl_module)
         if fit_loop.restarted_mid_epoch:
             _count_from_loaders(trainer)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
@@ -131,6 +132,7 @@ class MapStyleLoader(ResumableLoader):
         self._window = DeliveredWindow()
         self._window_epoch: int | None = None  # the epoch of a loaded out-of-order window
         self._restored = False
+        self._trainer_len: int | None = None  # the len() Lightning's fit loop read last
         self._active: Iterator[Any] | None = None  # the iterator delivering now
         self.skipped: list[SkippedSample] = []
         """Samples skipped under ``on_error="skip"`` in this process, in delivery order."""
@@ -274,7 +276,11 @@ class MapStyleLoader(ResumableLoader):
         the epoch being read, else of the one about to start (``MapSchedule.epoch_in_view``;
         under Lightning's fit loop, the epoch it is about to declare)."""
         self._refresh_order()
-        return self.schedule.num_batches(upcoming=fit_epoch())
+        upcoming = fit_epoch()
+        length = self.schedule.num_batches(upcoming=upcoming)
+        if upcoming is not None:
+            self._trainer_len = length
+        return length
 
     def _open_epoch(self) -> Iterator[Any]:
         self._refresh_order()
@@ -288,7 +294,24 @@ class MapStyleLoader(ResumableLoader):
         self._restored = False
         self._window.resumed(schedule.epoch, schedule.batches)
         self._epoch_restarts = 0
+        self._warn_if_the_trainer_stops_early()
         return self._deliver()
+
+    def _warn_if_the_trainer_stops_early(self) -> None:
+        """Lightning's fit loop stops every epoch after the ``len()`` it read when it set the
+        data up: say so at the start of an epoch with more batches (a batch sampler's epochs
+        may differ in length, a dataset may grow), whose last ones it would skip."""
+        told, schedule = self._trainer_len, self.schedule
+        if told is None or schedule.batches or schedule.last_batch == "rollover":
+            return
+        planned = schedule.num_batches()
+        if planned > told:
+            warnings.warn(
+                f"epoch {schedule.epoch} has {planned} batches on this rank, but Lightning read "
+                f"len()={told} when it set the data up and stops every epoch there: the last "
+                f"{planned - told} would be skipped. Pass Trainer("
+                "reload_dataloaders_every_n_epochs=1) so that it reads len() at every epoch",
+                stacklevel=4)
 
     def _follow_mix(self) -> None:
         """A ``Mix``'s order learns where delivery stands (``set_weights`` refuses past steps),

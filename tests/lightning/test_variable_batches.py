@@ -1,0 +1,90 @@
+"""A bucketing batch sampler (batches of many sizes, a number of batches that changes between
+epochs) in a plain ``DataLoader``, made resumable with ``make_resumable``, under a real
+Lightning ``Trainer`` on CPU.
+
+Lightning reads ``len()`` when it sets the data up and stops every epoch there, so epochs whose
+lengths differ need ``reload_dataloaders_every_n_epochs=1``; ``ExactResume`` then also resumes a
+checkpoint written at an epoch's last batch into a next epoch of another length. Under real
+2-process DDP, the plain ``DataLoader`` passed to ``fit`` is dealt whole over the ranks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from torch.utils.data import DataLoader
+
+from lightning_loaders import ExactResume, ResumableLoader, make_resumable
+from tests.buckets import LengthBuckets, dealt, flat, sampler_epochs
+from tests.conftest import IndexDataset
+from tests.ddp_harness import REPO, run_ddp
+from tests.lightning_harness import checkpoint_at, every_step_checkpoints, fit_recording
+
+N, EPOCHS = 37, 3
+DDP_SCRIPT = REPO / "tests" / "scripts" / "bucketing_ddp_fit.py"
+RELOAD = {"reload_dataloaders_every_n_epochs": 1}
+
+
+def make() -> ResumableLoader:
+    return make_resumable(DataLoader(IndexDataset(N), batch_sampler=LengthBuckets(N)))
+
+
+def per_epoch(seen: list) -> list[list[list[int]]]:
+    return [[batch for e, _, batch in seen if e == epoch] for epoch in range(EPOCHS)]
+
+
+def test_every_epoch_trains_the_samplers_batches_whole(tmp_path: Path) -> None:
+    expected = sampler_epochs(N, EPOCHS)
+    assert len({len(epoch) for epoch in expected}) > 1
+    seen = fit_recording(make, tmp_path, EPOCHS, **RELOAD)
+    assert per_epoch(seen) == expected
+    assert [i for _, i, _ in seen] == [i for epoch in expected for i in range(len(epoch))]
+
+
+@pytest.mark.filterwarnings("ignore:.*ckpt_path")
+def test_every_checkpoint_resumes_exactly(tmp_path: Path) -> None:
+    directory = tmp_path / "checkpoints"
+    full = fit_recording(make, tmp_path, EPOCHS, [ExactResume(), every_step_checkpoints(directory)],
+                         **RELOAD)
+    assert per_epoch(full) == sampler_epochs(N, EPOCHS)
+    for step in range(1, len(full) + 1):
+        resumed = fit_recording(make, tmp_path / "resumed", EPOCHS, [ExactResume()],
+                                ckpt_path=checkpoint_at(directory, step), **RELOAD)
+        assert resumed == full[step:], f"resume from step {step} diverged"
+
+
+def test_without_reloads_a_longer_epoch_is_cut_at_the_first_len_with_a_warning(
+        tmp_path: Path) -> None:
+    expected = sampler_epochs(N, EPOCHS)
+    assert len(expected[2]) > len(expected[0])
+    with pytest.warns(UserWarning, match="epoch 2 has 14 batches.*Lightning read len\\(\\)=13"
+                      ".*reload_dataloaders_every_n_epochs=1"):
+        seen = fit_recording(make, tmp_path, EPOCHS)
+    assert per_epoch(seen) == [*expected[:2], expected[2][:len(expected[0])]]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory) -> tuple[Path, list]:
+    root = tmp_path_factory.mktemp("bucketing_ddp")
+    ckpt = root / "ckpt"
+    return ckpt, run_ddp(DDP_SCRIPT, ["--ckpt-dir", str(ckpt)], root / "full")
+
+
+def test_two_ddp_ranks_read_the_samplers_batches_whole_with_equal_counts(ddp_run) -> None:
+    _, ranks = ddp_run
+    for epoch, batches in enumerate(sampler_epochs(N, EPOCHS)):
+        per_rank = [[b for e, _, b in rank["seen"] if e == epoch] for rank in ranks]
+        assert per_rank == dealt(batches, 2)
+        assert sorted(i for batches in per_rank for i in flat(batches)) == list(range(N))
+
+
+def test_ddp_checkpoints_resume_every_rank_exactly(ddp_run, tmp_path: Path) -> None:
+    ckpt, ranks = ddp_run
+    epoch_ends = [sum(len(dealt(e, 2)[0]) for e in sampler_epochs(N, EPOCHS)[:k + 1])
+                  for k in range(EPOCHS - 1)]
+    for step in (3, epoch_ends[0], epoch_ends[1] + 2):
+        resumed = run_ddp(DDP_SCRIPT, ["--resume", str(checkpoint_at(ckpt, step))],
+                          tmp_path / str(step))
+        for full, again in zip(ranks, resumed, strict=True):
+            assert again["seen"] == full["seen"][step:], step
