@@ -121,7 +121,8 @@ class ExactResume(Callback):
     - a checkpoint written in ``on_train_epoch_start`` resumes with that whole epoch
       (Lightning alone keeps the last epoch's batch count there and ends it after a batch);
     - after a checkpoint at the last batch of an epoch, the next epoch starts as usual (with
-      its ``on_train_epoch_start``, and ``batch_idx`` from 0 also for an unsized loader), and
+      its ``on_train_epoch_start``, and ``batch_idx`` from 0 also for an unsized loader, or
+      one whose ``len()`` a reload reads anew: a batch sampler's epochs differ in length), and
       checkpoints written in it resume exactly too; so it does after one written at the
       epoch's end (``on_train_epoch_end``) under ``max_steps``, and the training loaders
       passed to ``fit`` get their states from such a checkpoint (Lightning gives none there,
