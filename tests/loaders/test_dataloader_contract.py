@@ -71,6 +71,14 @@ def test_batch_size_none_with_a_batch_yielding_sampler_is_bulk_loading(drop_last
     assert len(ours) == len(sampler) == 4 - drop_last
 
 
+def test_bulk_loading_reads_lists_of_different_sizes_each_in_one_read() -> None:
+    data, sampler = _Bulk(7), [[4, 1], [0], [6, 2, 5, 3]]
+    ours = ResumableLoader(data, batch_size=None, sampler=sampler)
+    assert _plain(ours) == _plain(DataLoader(data, batch_size=None, sampler=sampler))
+    check_resume_at_every_step(lambda: ResumableLoader(data, batch_size=None, sampler=sampler),
+                               epochs=2)
+
+
 @pytest.mark.parametrize("dataset", [np.arange(16).reshape(4, 4), {(0, 1): "a", (2, 3): "b"}],
                          ids=["2-D array", "dict keyed by tuples"])
 def test_batch_size_none_passes_a_tuple_as_one_key_like_dataloader(dataset: Any) -> None:

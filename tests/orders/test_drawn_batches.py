@@ -6,7 +6,9 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 from torch.utils.data import DataLoader
 
 from lightning_loaders import ResumableLoader, make_resumable
@@ -18,7 +20,7 @@ from lightning_loaders.testing import (
     set_epoch,
 )
 from tests import buckets
-from tests.buckets import LengthBuckets, dealt, flat
+from tests.buckets import LengthBuckets, dealt, flat, length
 from tests.conftest import IndexDataset
 
 N, EPOCHS = 37, 3
@@ -204,3 +206,38 @@ def test_what_cannot_be_planned_is_refused_with_the_fix() -> None:
     _refused(lambda: ResumableLoader(IndexDataset(3), batch_sampler=[[0], [1, 2]], rank=0,
                                      world_size=4, last_batch="drop"),
              "'drop' leaves no batch: epoch 0 of the batch sampler has 2 batches")
+
+
+class _StatefulBudget(torch.utils.data.Sampler[list[int]]):
+    """Token budgets drawn from its own numpy generator, with ``state_dict``: each draw moves
+    the generator on, so an epoch depends on the draws before it."""
+
+    def __init__(self) -> None:
+        self.rng = np.random.default_rng(0)
+
+    def __iter__(self):
+        budget = int(self.rng.integers(6, 14))
+        batches, batch, tokens = [], [], 0
+        for i in self.rng.permutation(N).tolist():
+            if batch and tokens + length(i) > budget:
+                batches.append(batch)
+                batch, tokens = [], 0
+            batch.append(i)
+            tokens += length(i)
+        return iter([*batches, batch])
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.bit_generator.state = state["rng"]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_stateful_batch_samplers_own_state_resumes_with_the_cursor(world: int) -> None:
+    def stateful() -> ResumableLoader:
+        return ResumableLoader(IndexDataset(N), batch_sampler=_StatefulBudget(), seed=3,
+                               rank=world - 1, world_size=world)
+
+    full = check_resume_at_every_step(stateful, epochs=EPOCHS, key=indices)
+    assert len({len(epoch) for epoch in full}) > 1
