@@ -48,7 +48,10 @@ class ResumableLoader(WorkerLoader):
             given, else ``$PL_GLOBAL_SEED`` (set by ``seed_everything``), else 0.
         last_batch: ``"keep"`` (default), ``"drop"`` (what ``drop_last=True`` means), ``"pad"``
             (wrap around to fill the last global batch) or ``"rollover"`` (leftovers open the
-            next epoch).
+            next epoch). With a batch sampler's batches of different sizes, it says what
+            becomes of the last batches, fewer than the ranks: their samples split evenly,
+            dropped, or the ranks without one given a batch from the epoch's start
+            (``"rollover"`` needs batches of one size).
         rank, world_size: explicit placement; by default resolved at the first ``next()`` from
             the process group or the ``RANK``/``WORLD_SIZE`` environment.
         on_error: ``"raise"`` (default): an exception in ``__getitem__``, a transform or
@@ -108,7 +111,11 @@ class ResumableLoader(WorkerLoader):
     sample (``collate_fn`` defaults to ``default_convert``); a sampler that yields lists of
     indices gives ``dataset[list]`` (bulk loading), one that yields tuples ``dataset[tuple]``
     (each tuple one key); an iterable dataset's items come as they are (ready-made batches).
-    ``batch_sampler`` may be any iterable of index lists. ``in_order=False`` delivers batches as
+    ``batch_sampler`` may be any iterable of index lists, of any sizes (bucketing by length,
+    token budgets): each batch is read whole by one rank, and ``len()`` is that of the epoch
+    being read or about to start, whose number of batches may change from epoch to epoch
+    (under Lightning, pass ``reload_dataloaders_every_n_epochs=1`` so that it reads ``len()``
+    at every epoch). ``in_order=False`` delivers batches as
     workers finish them (one slow sample no longer stalls the others) and stays exactly
     resumable: the state records which batches past the first undelivered one were already
     delivered, and a resume delivers exactly the others (for an iterable dataset, when it is
