@@ -30,6 +30,10 @@ def make() -> ResumableLoader:
     return make_resumable(DataLoader(IndexDataset(N), batch_sampler=LengthBuckets(N)))
 
 
+def flat_epochs(epochs: list[list[list[int]]]) -> list[list[int]]:
+    return [batch for epoch in epochs for batch in epoch]
+
+
 def per_epoch(seen: list) -> list[list[list[int]]]:
     return [[batch for e, _, batch in seen if e == epoch] for epoch in range(EPOCHS)]
 
@@ -88,3 +92,20 @@ def test_ddp_checkpoints_resume_every_rank_exactly(ddp_run, tmp_path: Path) -> N
                           tmp_path / str(step))
         for full, again in zip(ranks, resumed, strict=True):
             assert again["seen"] == full["seen"][step:], step
+
+
+@pytest.mark.filterwarnings("ignore:.*ckpt_path")
+@pytest.mark.parametrize("step", [3, 8])
+def test_a_ddp_checkpoint_resumes_on_one_rank_from_the_next_batch(ddp_run, tmp_path: Path,
+                                                                  step: int) -> None:
+    ckpt, ranks = ddp_run
+    expected = sampler_epochs(N, EPOCHS)
+    epoch, batch = ranks[0]["seen"][step - 1][:2]  # the checkpoint's epoch and batch_idx
+
+    def plain() -> DataLoader:
+        return DataLoader(IndexDataset(N), batch_sampler=LengthBuckets(N))
+
+    seen = fit_recording(plain, tmp_path, EPOCHS, [ExactResume()],
+                         ckpt_path=checkpoint_at(ckpt, step), **RELOAD)
+    rest = expected[epoch][2 * (batch + 1):]
+    assert [b for _, _, b in seen] == flat_epochs([rest, *expected[epoch + 1:]])
