@@ -94,3 +94,27 @@ def test_a_batch_looked_at_before_fit_leaves_ddp_sharded(tmp_path, strategy) -> 
              for r in range(2)]
     assert [len(batches) for batches in ranks] == [4, 4]
     assert sorted(i for batches in ranks for batch in batches for i in batch) == list(range(24))
+
+
+def test_a_state_saved_after_ddp_appears_mid_epoch_keeps_the_epochs_placement(
+        monkeypatch) -> None:
+    """The epoch was planned on the fallback rank 0 of 1: its state says so (it said world
+    size 2 with the batches of 1, and a resume lost two batches)."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    loader = ResumableLoader(list(range(12)), batch_size=2, shuffle=True, seed=0)
+    source = iter(loader)
+    next(source), next(source)
+    rest = [batch.tolist() for batch in source]
+    fresh = ResumableLoader(list(range(12)), batch_size=2, shuffle=True, seed=0)
+    source = iter(fresh)
+    next(source), next(source)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    state = fresh.state_dict()
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+    assert state["world_size"] == 1
+    resumed = ResumableLoader(list(range(12)), batch_size=2, shuffle=True, seed=0)
+    resumed.load_state_dict(state)
+    assert [batch.tolist() for batch in resumed] == rest

@@ -56,6 +56,7 @@ class EpochOwner:
             resolve_rank_world(rank, world_size)  # explicit ones are checked now
         self._explicit_placement = (rank, world_size)
         self._placement: tuple[int, int] | None = None
+        self._settled = False  # whether _placement came from a source, not the (0, 1) fallback
         self.epoch: int | None = None
         """The epoch being delivered (``None`` before the first batch)."""
         self.batches = 0
@@ -68,11 +69,19 @@ class EpochOwner:
 
     @property
     def placement(self) -> tuple[int, int]:
-        """``(rank, world_size)``: fixed at an epoch start where it is settled (given, or from
-        a process group or the environment); resolved afresh before it, and while it is only
-        the fallback ``(0, 1)``, so that a loader read before ``Trainer.fit`` starts DDP is
-        sharded once DDP runs."""
+        """``(rank, world_size)``: resolved at each epoch start (what the epoch is planned and
+        saved with), afresh before the first."""
         if self._placement is not None:
+            return self._placement
+        return resolve_rank_world(*self._explicit_placement)
+
+    @property
+    def sizing_placement(self) -> tuple[int, int]:
+        """The placement ``len()`` counts for: the current epoch's, unless that was only the
+        fallback ``(0, 1)`` (no process group, no environment: ``placement_settled``), which
+        is resolved afresh, so that a loader read before ``Trainer.fit`` starts DDP has the
+        length its rank reads there."""
+        if self._placement is not None and self._settled:
             return self._placement
         return resolve_rank_world(*self._explicit_placement)
 
@@ -92,13 +101,12 @@ class EpochOwner:
         """Fix placement and decide which epoch and batch come next (see the module
         docstring). A restored state that fails to apply stays pending, so a corrected retry
         can still resume."""
-        self._placement = None
-        rank, world_size = self.placement
-        if placement_settled(*self._explicit_placement):
-            self._placement = rank, world_size
+        rank, world_size = self._placement = resolve_rank_world(*self._explicit_placement)
+        self._settled = placement_settled(*self._explicit_placement)
         pending, self._pending = self._pending, None
         trainer = self._trainer_epoch
         declared = trainer if pending is not None and self._declared_for is pending else None
+        finished = True
         if pending is not None and pending.abandoned:  # only where that epoch stood counts
             self.epoch, self._owner = pending.epoch, pending.trainer_epoch
             self._declared_for = None
@@ -112,7 +120,9 @@ class EpochOwner:
             if not trainer_moved_on(trainer, self._owner, self.epoch) and (
                     self._has_rest() or still_draining(declared, self._owner)):
                 return
-        epoch = following_epoch(self.epoch, trainer, self._owner)
+        else:
+            finished = self.epoch is None or not self._has_rest()
+        epoch = following_epoch(self.epoch, trainer, self._owner, finished)
         self._owner = trainer
         self._start_epoch(epoch, rank, world_size)
 
@@ -233,14 +243,18 @@ def still_draining(declared_epoch: int | None, owner: int | None) -> bool:
     return declared_epoch is not None and declared_epoch == owner
 
 
-def following_epoch(current: int | None, trainer_epoch: int | None, owner: int | None) -> int:
-    """The epoch to start when the current one (``None``: none yet) is finished or abandoned:
-    the next one, or the trainer's epoch when the trainer has moved past it. A fresh loader,
-    and one whose current epoch began under no declared epoch (read before ``Trainer.fit``,
-    or by hand), starts at the trainer's epoch (``sampler.set_epoch(e)`` chooses epoch ``e``
-    for a ``DataLoader``), else at 0 or the next one."""
-    if current is None or (owner is None and trainer_epoch is not None):
+def following_epoch(current: int | None, trainer_epoch: int | None, owner: int | None,
+                    finished: bool = True) -> int:
+    """The epoch to start when the current one (``None``: none yet) is ``finished`` or
+    abandoned: the next one, or the trainer's epoch when the trainer has moved past it (a
+    fresh loader starts at the trainer's epoch, else at 0). A current epoch begun under no
+    declared epoch and left unfinished (a batch looked at before ``Trainer.fit``) starts over
+    when the trainer declares that very epoch, as ``sampler.set_epoch(e)`` gives a
+    ``DataLoader`` epoch ``e``'s order from its start."""
+    if current is None:
         return trainer_epoch if trainer_epoch is not None else 0
+    if owner is None and trainer_epoch == current and not finished:
+        return current
     if trainer_moved_on(trainer_epoch, owner, current):
         assert trainer_epoch is not None
         return max(current + 1, trainer_epoch)

@@ -92,11 +92,11 @@ class MapSchedule(EpochOwner):
         if self.last_batch == "rollover":
             raise TypeError("len() is undefined with last_batch='rollover': epochs differ in "
                             "length by one batch as leftovers roll over")
-        return self.plan_for(self.epoch_in_view(upcoming), self.placement[1]).num_batches
+        return self.plan_for(self.epoch_in_view(upcoming), self.sizing_placement[1]).num_batches
 
     def samples_per_epoch(self) -> int:
         """Samples this rank reads in the epoch in view."""
-        rank, world_size = self.placement
+        rank, world_size = self.sizing_placement
         plan = self.plan_for(self.epoch_in_view(), world_size)
         return sum(len(plan.positions(b, rank)) for b in range(plan.num_batches))
 

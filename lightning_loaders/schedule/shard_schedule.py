@@ -90,9 +90,9 @@ class IterableSchedule(EpochOwner):
             raise TypeError("len() is undefined with last_batch='rollover': epochs differ in "
                             "length by one batch as leftovers roll over")
         if self.canonical:
-            rank, world_size = self.placement
+            rank, world_size = self.sizing_placement
             return len(deal(self.config, 0, self._partition_count(), world_size)[rank])
-        layout = plan_epoch(self.config, 0, self.placement[1], self.slots)
+        layout = plan_epoch(self.config, 0, self.sizing_placement[1], self.slots)
         assert layout.num_batches is not None
         return layout.num_batches
 

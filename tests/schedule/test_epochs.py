@@ -8,18 +8,20 @@ from lightning_loaders.schedule.epochs import following_epoch, trainer_moved_on
 from lightning_loaders.schedule.map_schedule import MapSchedule
 
 
-@pytest.mark.parametrize(("current", "trainer", "owner", "expected"), [
-    (None, None, None, 0),   # a fresh loader starts at 0
-    (None, 3, None, 3),      # ... or at the trainer's epoch
-    (2, 2, 2, 3),            # finished epoch 2 under trainer epoch 2: the next one
-    (2, 1, 2, 3),            # a stale (earlier) trainer epoch is ignored (#21938)
-    (2, 5, 2, 5),            # the trainer moved on: its epoch
-    (0, 3, None, 3),         # set_epoch first called after an epoch read without it
-    (2, 1, None, 1),         # ... chooses its epoch, as for a DataLoader's sampler
-    (0, 0, None, 0),         # ... also the one read (a batch looked at before fit)
+@pytest.mark.parametrize(("current", "trainer", "owner", "finished", "expected"), [
+    (None, None, None, True, 0),  # a fresh loader starts at 0
+    (None, 3, None, True, 3),     # ... or at the trainer's epoch
+    (2, 2, 2, True, 3),           # finished epoch 2 under trainer epoch 2: the next one
+    (2, 1, 2, True, 3),           # a stale (earlier) trainer epoch is ignored (#21938)
+    (2, 5, 2, True, 5),           # the trainer moved on: its epoch
+    (0, 3, None, True, 3),        # set_epoch first called after an epoch read without it
+    (2, 1, None, True, 3),        # ... never goes back
+    (0, 0, None, False, 0),       # ... the one left unfinished (a look before fit) starts over
+    (0, 0, None, True, 1),        # ... but one read to its end is not read again
+    (0, 0, 0, False, 1),          # declared before: a new iter() is the next epoch
 ])
-def test_the_following_epoch(current, trainer, owner, expected) -> None:
-    assert following_epoch(current, trainer, owner) == expected
+def test_the_following_epoch(current, trainer, owner, finished, expected) -> None:
+    assert following_epoch(current, trainer, owner, finished) == expected
 
 
 def test_the_trainer_moved_on_only_past_the_owner() -> None:
@@ -49,3 +51,26 @@ def test_a_state_that_fails_to_apply_stays_pending_for_a_corrected_retry() -> No
     with pytest.raises(ValueError, match="rollover.*another world size"):
         restored.begin_epoch()
     assert restored.state_dict() == state  # still pending: nothing was started
+
+
+def test_an_epoch_read_to_its_end_without_set_epoch_is_not_read_again() -> None:
+    """Restored at its end and declared again (a stale ``set_epoch``, #21938), or declared
+    after its resumed tail was read: the next epoch comes, not the finished one again."""
+    def make() -> ResumableLoader:
+        return ResumableLoader(list(range(8)), batch_size=2, shuffle=True, seed=0)
+
+    reference = make()
+    orders = [[b.tolist() for b in reference] for _ in range(3)]
+    saved = make()
+    assert [b.tolist() for b in saved] == orders[0]
+    restored = make()
+    restored.set_epoch(0)
+    restored.load_state_dict(saved.state_dict())
+    assert [b.tolist() for b in restored] == orders[1]
+    next(iter(saved))  # a batch of epoch 1
+    resumed = make()
+    resumed.load_state_dict(saved.state_dict())
+    resumed.set_epoch(0)
+    assert [b.tolist() for b in resumed] == orders[1][1:]
+    resumed.set_epoch(1)
+    assert [b.tolist() for b in resumed] == orders[2]
