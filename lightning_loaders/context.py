@@ -4,9 +4,11 @@
 ``(seed, epoch, global position)``: augmentations then do not change with ``num_workers``,
 ``world_size`` or a resume. Global RNGs (``random``, ``numpy``, ``torch``) are also re-seeded
 for every batch from ``(seed, epoch, batch, rank)``, so code using them is reproducible for a
-fixed world size whatever ``num_workers`` is. In the main process (``num_workers=0``) they are
-re-seeded after the batch from a value drawn from them before it, so the training loop's own
-random streams stay functions of its seed (``seed_everything``), not of the loader's. Worker
+fixed world size whatever ``num_workers`` is (a plain ``IterableDataset``'s stream reads under
+states of its own, put in place around each batch's read: ``sources.plain``). In the main
+process (``num_workers=0``) they are re-seeded after the batch from a value drawn from them
+before it, so the training loop's own random streams stay functions of its seed
+(``seed_everything``), not of the loader's. Worker
 *threads* (``backend="thread"``) share the process's global RNGs with each other and with the
 training loop, so they fetch with them untouched: per-batch seeding could not be reproducible
 there; per-sample randomness comes from ``sample_rng()``, identical under every backend.
@@ -184,6 +186,20 @@ def set_worker(info: WorkerInfo | None) -> None:
 
 
 _Afterwards = Literal["restore", "continue", "leave"]
+RngStates = tuple[Any, Any, torch.Tensor]
+"""The exact states of the ``random``, ``numpy`` and ``torch`` (CPU) global RNGs."""
+
+
+def global_rng_states() -> RngStates:
+    """The global RNGs' exact states (numpy's costs ~40-120 us: once per batch at most)."""
+    return random.getstate(), np.random.get_state(), torch.default_generator.get_state()
+
+
+def set_global_rng_states(states: RngStates) -> None:
+    """Put the global RNGs in ``states`` (from ``global_rng_states``)."""
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.default_generator.set_state(states[2])
 
 
 @contextmanager
@@ -203,7 +219,7 @@ def seeded_global_rngs(*key: int, afterwards: _Afterwards = "restore") -> Iterat
     """
     saved: tuple[Any, ...] | None = None
     if afterwards == "restore":
-        saved = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+        saved = global_rng_states()
     elif afterwards == "continue":
         saved = (random.getrandbits(32), int(np.random.random() * 2**32),
                  torch.default_generator.get_state())
@@ -216,9 +232,7 @@ def seeded_global_rngs(*key: int, afterwards: _Afterwards = "restore") -> Iterat
     finally:
         if afterwards == "restore":
             assert saved is not None
-            random.setstate(saved[0])
-            np.random.set_state(saved[1])
-            torch.random.set_rng_state(saved[2])
+            set_global_rng_states(saved)
         elif afterwards == "continue":
             assert saved is not None
             random.seed(saved[0])

@@ -8,7 +8,7 @@ import copy
 import itertools
 import operator
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -42,8 +42,10 @@ class SlotReader:
     """Reads one slot's pieces in order, optionally through a shuffle window.
 
     Samples move in chunks (``itertools.islice`` over the shard iterators), so the per-sample
-    cost is the source's own. A plain dataset is read inside ``sole_reader()`` (entered once
-    per chunk), so it yields its whole stream whatever it does with ``get_worker_info()``.
+    cost is the source's own; each chunk is read inside the source's ``reading()`` context for
+    its shard iterator (a plain stream's global-RNG states). A plain dataset is read inside
+    ``sole_reader()`` (entered once per chunk), so it yields its whole stream whatever it does
+    with ``get_worker_info()``.
     A sample that raises is found without a cost per sample read: a chunk keeps the samples
     read before it, and a strided piece, whose slices skip other slots' samples, is read
     through a count (``zip`` with ``itertools.count``, in C).
@@ -144,10 +146,13 @@ class SlotReader:
         known = f"stream position {position}, " if position is not None else ""
         return f"sample {sample} of {self._source.describe_shard(shard)} ({known}{batch})", position
 
-    def viewing(self) -> AbstractContextManager[Any]:
-        """The view the reads happen in (``sole_reader()`` for a plain dataset), to enter once
-        around a batch's read and its read-ahead: nested in it, theirs cost nothing."""
-        return self._view()
+    @contextmanager
+    def viewing(self) -> Iterator[None]:
+        """The view the reads happen in (``sole_reader()`` for a plain dataset) and the open
+        shard's ``reading()`` context, to enter once around a batch's read and its read-ahead:
+        nested in them, theirs cost nothing."""
+        with self._view(), self._reading():
+            yield
 
     def close(self) -> None:
         iterator, self._it, self._samples = self._it, None, iter(())
@@ -218,8 +223,9 @@ class SlotReader:
             skip = self._offset - self._it_position  # other slots' samples (strided pieces)
             chunk: list[Any] = []
             try:  # ``extend`` keeps the samples read before one raised
-                chunk.extend(itertools.islice(self._samples, skip,
-                                              skip + (want - 1) * piece.step + 1, piece.step))
+                with self._reading():
+                    chunk.extend(itertools.islice(self._samples, skip,
+                                                  skip + (want - 1) * piece.step + 1, piece.step))
             except Exception:
                 self._note_raised(piece.shard, self._offset + len(chunk))
                 raise
@@ -248,6 +254,10 @@ class SlotReader:
         if isinstance(self._source, PlainStream):
             self.head = self._source.opened_head
 
+    def _reading(self) -> AbstractContextManager[Any]:
+        """The source's ``reading()`` context for the open shard iterator (nothing if none)."""
+        return nullcontext() if self._it is None else self._source.reading(self._it)
+
     def _note_raised(self, shard: int, position: int) -> None:
         """Note the sample of ``shard`` that raised: ``position`` (the one after those read)
         in a contiguous read, the counted one in a strided read; none if the iterator had
@@ -266,7 +276,8 @@ class SlotReader:
         skip = stop - self._it_position  # other slots' samples (strided pieces)
         past: list[Any] = []
         try:
-            past.extend(itertools.islice(self._samples, skip, skip + 1))
+            with self._reading():
+                past.extend(itertools.islice(self._samples, skip, skip + 1))
         except Exception:
             self._note_raised(shard, stop)
             raise

@@ -49,8 +49,9 @@ The plan of an epoch
     so datasets that split their stream by worker (torch's documented pattern, Hugging Face,
     WebDataset) are read whole and every sample arrives once. Datasets split by node from
     their own configuration (HF ``split_dataset_by_node``, a WebDataset ``split_by_node``
-    stage) are refused with the fix. The stream must be the same in every process; its
-    ``set_epoch(epoch)``, if any, is called before each epoch.
+    stage) are refused with the fix. The stream must be the same in every process: it reads
+    under global RNGs of its own (seeded from the seed and the epoch when it opens, carried
+    from batch to batch); its ``set_epoch(epoch)``, if any, is called before each epoch.
 
     ``shuffle_buffer=n`` additionally mixes samples within a canonical partition (or, without
     partitions, a slot): its stream is cut into windows of ``n`` samples, each emitted in a

@@ -9,9 +9,10 @@ view the dataset's code runs in while it is read: ``get_worker_info()`` returns 
 the environment says rank 0 of 1, so the dataset yields its whole stream in every slot.
 Datasets that split by rank from their own configuration (HF ``split_dataset_by_node``, a
 WebDataset ``split_by_node`` stage) cannot be undone by a view and are refused with the fix.
-Shuffles seeded per process would make every slot's stream another: the global RNGs and a
-WebDataset's own shuffles are seeded from the loader's seed and the epoch when the stream
-opens, and a Hugging Face ``shuffle()`` without a seed is refused.
+Shuffles seeded per process would make every slot's stream another: the stream reads under
+global RNGs of its own, seeded from the loader's seed and the epoch when it opens and carried
+from read to read (``_StreamRngs``), a WebDataset's own shuffles are seeded from them too, and
+a Hugging Face ``shuffle()`` without a seed is refused.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import itertools
 import os
 import threading
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,12 @@ import torch
 from torch.utils.data import IterableDataset
 from torch.utils.data._utils import worker as torch_worker
 
-from lightning_loaders.context import seeded_global_rngs
+from lightning_loaders.context import (
+    RngStates,
+    global_rng_states,
+    seeded_global_rngs,
+    set_global_rng_states,
+)
 from lightning_loaders.hashing import mix64
 from lightning_loaders.sources.hf import refuse_unseeded_shuffle
 from lightning_loaders.sources.shards import ShardedSource
@@ -47,7 +53,16 @@ _DIGEST_SAMPLES = 8
 _END = object()  # what no stream yields: ``_taken``'s sentinel
 _OPEN_TAG = 0x0BE5  # keys the RNGs a plain stream is opened with
 _SHUFFLE_TAG = 0x5EED  # keys the seeds of a WebDataset's own shuffles
-_OPENING = threading.Lock()  # one slot at a time seeds the global RNGs and the shuffles
+_RNG_LOCK = threading.RLock()  # held while a stream's RNG states are in place (threads share them)
+
+
+def _new_rng_lock() -> None:
+    """In a forked child, where the thread that held the lock may not exist: a free one."""
+    global _RNG_LOCK
+    _RNG_LOCK = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_rng_lock)
 
 
 @contextmanager
@@ -186,8 +201,9 @@ class PlainStream(ShardedSource[Any]):
     """A plain ``IterableDataset`` seen as one shard: the strided fallback's source.
 
     Every slot iterates the whole dataset (read inside ``sole_reader()``, so a dataset that
-    splits itself by worker or by the ``RANK`` environment still yields all of it) and keeps
-    its share; ``start`` is reached by skipping. ``set_epoch`` is forwarded, so a dataset that
+    splits itself by worker or by the ``RANK`` environment still yields all of it, and inside
+    ``reading()``, under the global-RNG states of its own stream) and keeps its share;
+    ``start`` is reached by skipping. ``set_epoch`` is forwarded, so a dataset that
     reshuffles per epoch (HF reorders its shards) stays the same stream in every process of
     that epoch. The dataset's
     own ``state_dict()``, if any, is not used: the loader keeps the stream's position.
@@ -216,22 +232,32 @@ class PlainStream(ShardedSource[Any]):
 
     def open_shard(self, index: int, start: int = 0,
                    state: Mapping[str, Any] | None = None) -> Iterator[Any]:
-        """The stream from sample ``start`` on; read it inside ``sole_reader()``."""
-        stream = self._opened()
-        return itertools.islice(stream, start, None)
+        """The stream from sample ``start`` on; read it inside ``sole_reader()`` and
+        ``reading()``."""
+        stream, rngs = self._opened()
+        shard = _Stream(stream, start, None)
+        shard.rngs = rngs
+        return shard
 
-    def _opened(self) -> Iterator[Any]:
+    def reading(self, shard: Iterator[Any]) -> AbstractContextManager[Any]:
+        """The global-RNG states of ``shard``'s stream, put in place (``_StreamRngs``)."""
+        assert isinstance(shard, _Stream)
+        return shard.rngs
+
+    def _opened(self) -> tuple[Iterator[Any], _StreamRngs]:
         """``iter(dataset)``, opened (up to its first sample, where a generator's body starts)
-        with the global RNGs seeded from the seed and the epoch alone, then restored: a
-        dataset that draws its order from them (``random.shuffle`` of its files) is then the
-        same stream in every slot, rank and resume of the epoch, where the RNGs of each
-        batch's fetch (seeded per slot and batch) would make every slot's stream another."""
-        with _OPENING, seeded_global_rngs(_OPEN_TAG, self.seed, self._epoch):
+        with the global RNGs seeded from the seed and the epoch alone, and the RNG states the
+        rest of it reads under: a dataset that draws from them (``random.shuffle`` of its
+        files as it opens, a shuffle buffer as it goes) is then the same stream in every slot,
+        rank and resume of the epoch, where the RNGs of each batch's fetch (seeded per slot
+        and batch) would make every slot's stream another."""
+        with _RNG_LOCK, seeded_global_rngs(_OPEN_TAG, self.seed, self._epoch):
             _seed_webdataset_shuffles(self.dataset, self.seed, self._epoch)
             stream = iter(self.dataset)
             head = list(itertools.islice(_taken(stream), 1))
+            rngs = _StreamRngs(global_rng_states())
         self.opened_head = _digest(head)
-        return _chained(head, stream)
+        return _chained(head, stream), rngs
 
     def set_epoch(self, epoch: int) -> None:
         """Forward ``epoch`` unless the dataset's ``epoch`` already says it.
@@ -259,9 +285,10 @@ class PlainStream(ShardedSource[Any]):
         tensors, and lists and dicts of them) counts; other objects count by type name, so
         the digest never differs by memory addresses or hash seeds."""
         with sole_reader():
-            iterator = self._opened()
+            iterator, rngs = self._opened()
             try:
-                return _digest(itertools.islice(iterator, _DIGEST_SAMPLES))
+                with rngs:
+                    return _digest(itertools.islice(iterator, _DIGEST_SAMPLES))
             finally:
                 close = getattr(iterator, "close", None)
                 if callable(close):
@@ -272,6 +299,56 @@ class PlainStream(ShardedSource[Any]):
         lengths = self.shard_lengths
         size = lengths[0] if lengths is not None else "unknown length"
         return f"{type(self.dataset).__name__}:{size}"
+
+
+class _StreamRngs:
+    """The global RNGs' states (``random``, numpy, torch) one opened stream reads under,
+    carried from read to read, so a dataset drawing from them while it iterates (a shuffle
+    buffer) reads one stream in every slot, rank and resume, whatever each batch's fetch
+    seeded them with.
+
+    Entered around each batch's read (saving numpy's state costs tens of microseconds, too
+    much per sample; entered again inside, it costs nothing), it puts the stream's states in
+    place and the caller's back afterwards, so what the fetch draws itself (a ``collate_fn``)
+    does not move with the stream's draws either. Worker threads share the global RNGs: the
+    states stay in place under a process-wide lock, so threads read their streams one at a
+    time.
+    """
+
+    def __init__(self, states: RngStates) -> None:
+        self._states = states
+        self._saved: RngStates | None = None
+        self._depth = 0  # entered inside itself (a batch's read, then a chunk of it)
+
+    def __enter__(self) -> None:
+        if self._depth == 0:
+            _RNG_LOCK.acquire()
+            try:
+                self._saved = global_rng_states()
+                set_global_rng_states(self._states)
+            except BaseException:
+                _RNG_LOCK.release()
+                raise
+        self._depth += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._depth -= 1
+        if self._depth:
+            return
+        try:
+            self._states = global_rng_states()
+            assert self._saved is not None
+            set_global_rng_states(self._saved)
+        finally:
+            self._saved = None
+            _RNG_LOCK.release()
+
+
+class _Stream(itertools.islice):
+    """A stream from a sample on (``islice``'s ``next()``, at C speed) and ``rngs``, the RNG
+    states it reads under."""
+
+    rngs: _StreamRngs
 
 
 def _taken(stream: Iterator[Any]) -> Iterator[Any]:

@@ -28,6 +28,7 @@ import os
 import struct
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import IO, Any, Literal, TypeVar
 
 from torch.utils.data import IterableDataset
@@ -72,6 +73,13 @@ class ShardedSource(IterableDataset[T]):
         ``state``, when given, is what this source's shard iterator returned from
         ``state_dict()`` when it stood at sample ``start``.
         """
+
+    def reading(self, shard: Iterator[T]) -> AbstractContextManager[Any]:
+        """What the shard reader runs its reads from ``shard`` (an iterator ``open_shard``
+        returned) inside: around a batch's read and, nested in it, each chunk of it, never
+        per sample. Nothing by default; a plain stream puts its own global-RNG states in
+        place."""
+        return nullcontext()
 
     def describe_shard(self, index: int) -> str:
         """Shard ``index`` as errors name it: with its file, when its descriptor is a path."""

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import (
@@ -124,6 +125,47 @@ class DistRankSplit(IterableDataset[dict[str, int]]):
         return len(self.ids)
 
 
+class ShuffleBuffer(IterableDataset[dict[str, int]]):
+    """A common hand-written pattern: a shuffle buffer drawing from the global RNGs while it
+    iterates (``random``, numpy and torch in turn), not only when the stream opens."""
+
+    def __init__(self, ids: list[int], size: int = 8) -> None:
+        self.ids, self.size = ids, size
+
+    def __iter__(self) -> Iterator[dict[str, int]]:
+        buffer: list[int] = []
+        for i in self.ids:
+            buffer.append(i)
+            if len(buffer) == self.size:
+                yield {"id": buffer.pop(_draw(i, len(buffer)))}
+        random.shuffle(buffer)
+        yield from ({"id": i} for i in buffer)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class Augmented(IterableDataset[dict[str, int]]):
+    """Each sample with a draw of each global RNG (an augmentation drawn as it iterates)."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def __iter__(self) -> Iterator[dict[str, int]]:
+        for i in self.ids:
+            yield {"id": i, "random": random.getrandbits(30),
+                   "numpy": int(np.random.randint(2**30)), "torch": int(torch.randint(2**30, ()))}
+
+
+def _draw(i: int, n: int) -> int:
+    """A number below ``n`` from the ``random``, numpy or torch global RNG (by ``i``)."""
+    if i % 3 == 0:
+        return random.randrange(n)
+    if i % 3 == 1:
+        return int(np.random.randint(n))
+    return int(torch.randint(n, ()))
+
+
 class Curriculum(Dataset[dict[str, int]]):
     """A map-style dataset with its own state (``Stateful``): a level set from outside."""
 
@@ -153,6 +195,10 @@ def ddp_torch_doc(data_dir: str) -> IterableDataset[Any]:
 
 def ddp_torch_doc_sized(data_dir: str) -> IterableDataset[Any]:
     return WorkerSplitRange(read_ids(data_dir), sized=True)
+
+
+def ddp_shuffle_buffer(data_dir: str) -> IterableDataset[Any]:
+    return ShuffleBuffer(read_ids(data_dir))
 
 
 def self_iterator(data_dir: str) -> IterableDataset[Any]:
@@ -256,13 +302,17 @@ def test_every_sample_arrives_exactly_once_per_epoch(name, workers, backend, dat
 
 @pytest.mark.parametrize("backend", ["process", "thread"])
 @pytest.mark.parametrize("workers", [0, 2, 3])
-def test_a_stream_shuffled_by_the_global_rngs_is_one_stream_in_every_slot(workers, backend,
-                                                                          data_dir) -> None:
-    """Every slot opens the stream with the global RNGs seeded from the seed and the epoch
-    alone (a batch's fetch seeds them per slot): each reads the same shuffle, and keeps its
-    share of it; another epoch draws another shuffle."""
+@pytest.mark.parametrize("shuffled", [ShuffledFiles, ShuffleBuffer])
+def test_a_stream_shuffled_by_the_global_rngs_is_one_stream_in_every_slot(shuffled, workers,
+                                                                          backend, data_dir
+                                                                          ) -> None:
+    """Every slot reads the stream under global RNGs of its own, seeded from the seed and the
+    epoch alone when it opens (a batch's fetch seeds them per slot) and carried from batch to
+    batch: each reads the same shuffle, drawn as the stream opens (``ShuffledFiles``) or as it
+    goes (``ShuffleBuffer``, without and with ``len()``), and keeps its share of it; a resume
+    reads it again the same; another epoch draws another shuffle."""
     ids = read_ids(str(data_dir))
-    loader = ResumableLoader(ShuffledFiles(ids), batch_size=BATCH, num_workers=workers,
+    loader = ResumableLoader(shuffled(ids), batch_size=BATCH, num_workers=workers,
                              seed=5, backend=backend)
     epochs = _epoch_ids(loader, 2)
     loader.close()
@@ -271,8 +321,49 @@ def test_a_stream_shuffled_by_the_global_rngs_is_one_stream_in_every_slot(worker
     assert epochs[0] != epochs[1]
     if workers < 3 and backend == "process":
         check_resume_at_every_step(
-            lambda: ResumableLoader(ShuffledFiles(ids), batch_size=BATCH, num_workers=workers,
+            lambda: ResumableLoader(shuffled(ids), batch_size=BATCH, num_workers=workers,
                                     seed=5), epochs=2, key=lambda batch: batch["id"].tolist())
+
+
+@pytest.mark.parametrize("backend", ["process", "thread"])
+def test_what_a_stream_draws_depends_on_the_seed_epoch_and_position_alone(backend,
+                                                                           data_dir) -> None:
+    """A sample's draws from the global RNGs (an augmentation) come from the stream's own
+    RNG states, so they are the same whatever ``num_workers`` (slots read the stream in other
+    chunks, with other batches' fetches between); another epoch draws anew."""
+    ids = read_ids(str(data_dir))
+    draws = []
+    for workers in (0, 2, 3):
+        loader = ResumableLoader(Augmented(ids), batch_size=BATCH, num_workers=workers,
+                                 seed=5, backend=backend)
+        draws.append([{i: (r, n, t) for batch in loader
+                       for i, r, n, t in zip(*(batch[key].tolist()
+                                               for key in ("id", "random", "numpy", "torch")),
+                                             strict=True)}
+                      for _ in range(2)])
+        loader.close()
+    assert draws[0] == draws[1] == draws[2]
+    assert len(draws[0][0]) == TOTAL and draws[0][0] != draws[0][1]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_streams_draws_leave_the_fetchs_own_seeding_alone(workers, data_dir) -> None:
+    """The global RNGs a ``collate_fn`` draws from are seeded per batch as for any dataset:
+    the stream's draws, made under its own states, do not move them."""
+    ids = read_ids(str(data_dir))
+
+    def draws(dataset: IterableDataset[Any]) -> list[list[int]]:
+        loader = ResumableLoader(dataset, batch_size=BATCH, num_workers=workers, seed=5,
+                                 collate_fn=_collate_draws)
+        out = list(loader)
+        loader.close()
+        return out
+
+    assert draws(ShuffleBuffer(ids)) == draws(EnvRankSplit(ids))
+
+
+def _collate_draws(batch: list[Any]) -> list[int]:
+    return [random.getrandbits(30), int(np.random.randint(2**30)), int(torch.randint(2**30, ()))]
 
 
 @pytest.mark.parametrize("detshuffle", [False, True])
@@ -596,8 +687,11 @@ def test_ddp_trainer_reads_each_self_splitting_dataset_exactly_once_and_resumes(
         data_dir, tmp_path) -> None:
     """One launch: torch's pattern (unknown and known length), HF ``num_shards=4`` and
     ``WebDataset(urls)`` with its default nodesplitter, which under 2 ranks would raise by
-    itself: inside the sole-reader view it sees one node and every id arrives once."""
-    names = ["ddp_torch_doc", "ddp_torch_doc_sized", "ddp_hf", "ddp_webdataset"]
+    itself: inside the sole-reader view it sees one node and every id arrives once. A shuffle
+    buffer drawing from the global RNGs as it iterates is one stream on every rank and in
+    every slot, and resumes exactly: it reads under the RNG states of its own stream."""
+    names = ["ddp_torch_doc", "ddp_torch_doc_sized", "ddp_shuffle_buffer", "ddp_hf",
+             "ddp_webdataset"]
     runs = check_real_data_ddp([f"{MODULE}:{name}" for name in names], data_dir, TOTAL,
                                tmp_path / "ddp", workers=2)
     assert runs[f"{MODULE}:ddp_torch_doc_sized"][0]["len"] == 6  # 2 slots x 3 batches a rank
@@ -623,11 +717,13 @@ def test_ddp_datasets_splitting_by_torch_distributed_or_seeding_per_rank_are_ref
     """What the sole-reader view cannot undo is caught on real ranks, never quietly wrong:
     with unknown length the ranks compare their streams' first samples once per epoch; with
     known length the stream ends before its len(). A WebDataset seeding its shard shuffle per
-    rank is read whole: the loader seeds its shuffles."""
+    rank is read whole (the loader seeds its shuffles), and a shuffle buffer drawing from the
+    global RNGs is one stream on every rank: every id arrives once."""
     runs = run_ddp(REPO / "tests" / "scripts" / "self_sharding_ddp.py", [str(data_dir)],
                    tmp_path / "ddp")
-    delivered = Counter(i for run in runs for i in run["wds-seed-per-rank-w2"]["ids"])
-    assert delivered == Counter(read_ids(str(data_dir)))
+    for case in ("wds-seed-per-rank-w2", "shuffle-buffer-w0"):
+        delivered = Counter(i for run in runs for i in run[case]["ids"])
+        assert delivered == Counter(read_ids(str(data_dir))), case
     for rank, run in enumerate(runs):
         for case in ("dist-unsized-w0", "dist-unsized-w2", "seed-per-rank-w2"):
             assert run[case].get("error", "").startswith(

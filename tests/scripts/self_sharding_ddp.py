@@ -24,7 +24,7 @@ from torch.utils.data import IterableDataset
 
 from lightning_loaders import ResumableLoader
 from tests.ddp_harness import write_result
-from tests.loaders.test_self_sharding import DistRankSplit, _wds_sample, read_ids
+from tests.loaders.test_self_sharding import DistRankSplit, ShuffleBuffer, _wds_sample, read_ids
 
 
 class UnsizedDistRankSplit(DistRankSplit):
@@ -61,6 +61,7 @@ def main() -> None:
         "dist-unsized-w2": (lambda: UnsizedDistRankSplit(ids), 2),
         "dist-sized-w0": (lambda: DistRankSplit(ids), 0),
         "seed-per-rank-w2": (lambda: RankSeededShuffle(ids), 2),
+        "shuffle-buffer-w0": (lambda: ShuffleBuffer(ids), 0),
         "wds-seed-per-rank-w2": (lambda: webdataset_seeded_per_rank(data_dir), 2),
     }
     results: dict[str, Any] = {}
