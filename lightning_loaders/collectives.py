@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree_min", "agree_same", "all_gather", "gather_by_rank", "group_size"]
+__all__ = ["agree_min", "agree_range", "all_gather", "gather_by_rank", "group_size"]
 
 
 def group_size() -> int:
@@ -48,11 +48,14 @@ def agree_min(value: int) -> int:
     return int(tensor.item())
 
 
-def agree_same(value: int) -> bool:
-    """Whether ``value`` is the same on every rank (one small ``all_reduce``)."""
-    tensor = torch.tensor([value, -value], dtype=torch.int64, device=_device())
+def agree_range(*values: int) -> list[tuple[int, int]]:
+    """The minimum and the maximum of each of ``values`` over all ranks (one small
+    ``all_reduce``): a value is the same on every rank where they are equal."""
+    tensor = torch.tensor([*values, *(-value for value in values)], dtype=torch.int64,
+                          device=_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-    return int(tensor[0].item()) == -int(tensor[1].item())
+    low = tensor.tolist()
+    return [(low[i], -low[len(values) + i]) for i in range(len(values))]
 
 
 def _device() -> torch.device:

@@ -51,7 +51,9 @@ The plan of an epoch
     their own configuration (HF ``split_dataset_by_node``, a WebDataset ``split_by_node``
     stage) are refused with the fix. The stream must be the same in every process: it reads
     under global RNGs of its own (seeded from the seed and the epoch when it opens, carried
-    from batch to batch); its ``set_epoch(epoch)``, if any, is called before each epoch.
+    from batch to batch), and on several ranks the ranks compare its ``len()`` and first
+    samples at every epoch start; its ``set_epoch(epoch)``, if any, is called before each
+    epoch.
 
     ``shuffle_buffer=n`` additionally mixes samples within a canonical partition (or, without
     partitions, a slot): its stream is cut into windows of ``n`` samples, each emitted in a
@@ -305,6 +307,17 @@ class ResumableIterableLoader(ResumableLoader):
         self._fetcher.close()
 
     def _open_epoch(self) -> Iterator[Any]:
+        schedule, source = self.schedule, self._fetcher.source
+        if isinstance(source, PlainStream):  # the ranks compare streams before any refusal
+            schedule.check_same_stream(self._begin_epoch, self._plain_digest)
+        else:
+            self._begin_epoch()
+        self._restored = False
+        self._window.resumed(schedule.epoch, schedule.batches)
+        self._epoch_restarts = 0
+        return self._deliver()
+
+    def _begin_epoch(self) -> None:
         schedule = self.schedule
         _check_lengths(self._fetcher.source, schedule.config.lengths)
         if self._collate_fn_changed():
@@ -312,10 +325,13 @@ class ResumableIterableLoader(ResumableLoader):
             collate_fn = _Unbatched(self.collate_fn) if unbatched else self.collate_fn
             self._fetcher.collate_fn = worker_collate(collate_fn, self.shared_ring)
         schedule.begin_epoch()
-        self._restored = False
-        self._window.resumed(schedule.epoch, schedule.batches)
-        self._epoch_restarts = 0
-        return self._deliver()
+
+    def _plain_digest(self) -> int:
+        """The digest of the epoch's plain stream's first samples, read in this process."""
+        source, epoch = self._fetcher.source, self.schedule.epoch
+        assert isinstance(source, PlainStream) and epoch is not None
+        self._fetcher.set_epoch(epoch)  # in this process, before any worker reads
+        return source.digest()
 
     def _reopen(self) -> Iterator[Any]:
         self.schedule.restart()
@@ -350,8 +366,6 @@ class ResumableIterableLoader(ResumableLoader):
             return
         assert schedule.epoch is not None
         self._fetcher.set_epoch(schedule.epoch)  # in this process, before any worker reads
-        if isinstance(self._fetcher.source, PlainStream):
-            schedule.check_same_stream(self._fetcher.source.digest)
         while True:
             try:
                 for item in self._workers():

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_loaders.collectives import agree_same, gather_by_rank
+from lightning_loaders.collectives import agree_range, gather_by_rank, group_size
 from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.schedule.epochs import EpochOwner, warn_past_len
 from lightning_loaders.schedule.partition_plan import advanced, deal, uses_partitions
@@ -64,7 +64,6 @@ class IterableSchedule(EpochOwner):
         self._received_cursors: list[Cursor] = []  # (unknown lengths)
         self._start_batches = 0
         self._undo: deque[tuple[int, Cursor]] = deque(maxlen=8)
-        self._stream_checked: int | None = None  # the epoch whose stream the ranks compared
         self._head: tuple[int, int, int] | None = None  # epoch, slot, its plain stream's head
 
     @property
@@ -180,23 +179,52 @@ class IterableSchedule(EpochOwner):
         """The epoch has no batch left on this rank."""
         self.ended = True
 
-    def check_same_stream(self, digest: Callable[[], int]) -> None:
-        """Unknown lengths under DDP, once per epoch before its first batch: refuse a plain
-        stream that does not begin with the same samples on every rank (``digest()``: of its
-        first samples). Ranks synchronise at run time in this mode anyway, so the one small
-        collective adds no new way to hang; resumed or restarted epochs are not checked."""
-        if not self.synced or self.batches or self._stream_checked == self.epoch:
+    def check_same_stream(self, begin: Callable[[], None], digest: Callable[[], int]) -> None:
+        """Begin an epoch of a plain stream (``begin()``); on several ranks, then refuse a
+        stream whose ``len()`` differs between ranks or that does not begin with the same
+        samples on every rank (``digest()``: of its first samples).
+
+        Every rank calls it at every epoch start (each ``iter()``, which every rank makes
+        alike), and whatever ``begin()`` raises on one rank (a plan it refuses, as a ``len()``
+        of its own can make it) waits until the ranks have compared, so the one small
+        collective cannot hang. Without a process group of the placement's ranks (one process
+        placed by hand) there is nothing to compare with."""
+        world_size = self.placement[1]
+        if world_size == 1 or group_size() != world_size:
+            begin()
             return
-        self._stream_checked = self.epoch
-        if not agree_same(digest()):
+        length = sum(self.config.lengths) if self.config.lengths is not None else -1
+        failure: Exception | None = None
+        try:
+            begin()
+            mine = digest()
+        except Exception as exc:
+            failure, mine = exc, 0
+        failed, lengths, digests = agree_range(int(failure is not None), length, mine)
+        if lengths[0] != lengths[1]:
+            raise ValueError(
+                f"the plain dataset's len() differs between ranks (from {lengths[0]} to "
+                f"{lengths[1]}; {length} here): the loader shards one stream over the ranks, "
+                "planned from its len(), so data would be lost or repeated. A __len__ that "
+                "returns this rank's share goes with an __iter__ that splits the stream by "
+                "rank (reading torch.distributed): return the full length and yield the "
+                "whole stream, or use a first-class source (lightning_loaders.sources: "
+                "HFSource, WebDatasetSource, ParquetSource)") from failure
+        if failure is not None:
+            raise failure
+        if failed[1]:
+            raise RuntimeError(f"another rank failed to begin epoch {self.epoch} of the plain "
+                               "dataset (before the ranks compared its stream): see its error")
+        if digests[0] != digests[1]:
             raise ValueError(
                 f"the plain dataset's stream differs between ranks in epoch {self.epoch} (its "
                 "first samples do not match): the loader shards one stream over the ranks, so "
                 "data would be lost or repeated. The dataset probably splits itself by rank "
-                "(reading torch.distributed), or shuffles with a seed drawn in each process "
-                "(e.g. random.Random() in __iter__). Pass the unsplit dataset "
-                "with a fixed seed, or a first-class source (lightning_loaders.sources: "
-                "HFSource, WebDatasetSource, ParquetSource)")
+                "(reading torch.distributed; its __len__, if any, then often returns the "
+                "rank's share), or shuffles with a seed drawn in each process (e.g. "
+                "random.Random() in __iter__). Pass the unsplit dataset with a fixed seed, or "
+                "a first-class source (lightning_loaders.sources: HFSource, WebDatasetSource, "
+                "ParquetSource)")
 
     def _check_head(self, slot: int, head: int) -> None:
         """Refuse a plain stream that begins otherwise in another slot: every slot reads the

@@ -12,7 +12,6 @@ import functools
 import math
 import os
 import random
-import re
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -715,20 +714,29 @@ def test_hf_reorders_its_shards_per_epoch_and_every_worker_reads_that_order(data
 def test_ddp_datasets_splitting_by_torch_distributed_or_seeding_per_rank_are_refused(
         data_dir, tmp_path) -> None:
     """What the sole-reader view cannot undo is caught on real ranks, never quietly wrong:
-    with unknown length the ranks compare their streams' first samples once per epoch; with
-    known length the stream ends before its len(). A WebDataset seeding its shard shuffle per
-    rank is read whole (the loader seeds its shuffles), and a shuffle buffer drawing from the
-    global RNGs is one stream on every rank: every id arrives once."""
+    with or without a length, the ranks compare their len() and their streams' first samples
+    at every epoch start, so a dataset that splits itself by rank (its len() the full one or
+    its share) or shuffles with a seed of each process is refused on every rank, as is a len()
+    that differs by rank, even where it makes one rank refuse its plan (nothing hangs). A
+    WebDataset seeding its shard shuffle per rank is read whole (the loader seeds its
+    shuffles), and a shuffle buffer drawing from the global RNGs is one stream on every rank:
+    every id arrives once."""
     runs = run_ddp(REPO / "tests" / "scripts" / "self_sharding_ddp.py", [str(data_dir)],
                    tmp_path / "ddp")
     for case in ("wds-seed-per-rank-w2", "shuffle-buffer-w0"):
         delivered = Counter(i for run in runs for i in run[case]["ids"])
         assert delivered == Counter(read_ids(str(data_dir))), case
     for rank, run in enumerate(runs):
-        for case in ("dist-unsized-w0", "dist-unsized-w2", "seed-per-rank-w2"):
+        for case in ("dist-unsized-w0", "dist-unsized-w2", "dist-sized-w0", "dist-share-w0",
+                     "seed-per-rank-w2", "own-shuffle-sized-w0", "own-shuffle-sized-w2"):
             assert run[case].get("error", "").startswith(
                 "ValueError: the plain dataset's stream differs between ranks in epoch 0"), (
                 rank, case, run[case])
-        assert re.search(r"stream ended before sample 2[01], but its len\(\) is 40.*splits its "
-                         "stream itself by rank", run["dist-sized-w0"].get("error", "")), (
-            rank, run["dist-sized-w0"])
+        for case, low, high in (("len-per-rank-w0", 39, 40),
+                                ("len-per-rank-no-batch-on-one-w0", 7, 8)):
+            assert run[case].get("error", "").startswith(
+                f"ValueError: the plain dataset's len() differs between ranks (from {low} to "
+                f"{high}; {high - rank} here)"), (rank, case, run[case])
+        assert run["no-batch-on-both-w0"].get("error", "").startswith(
+            "ValueError: last_batch='drop' leaves no batch on some rank"), (
+            rank, run["no-batch-on-both-w0"])

@@ -1,5 +1,6 @@
-"""One rank of plain datasets that split their stream by rank themselves, under real DDP
-(launched by ``tests/loaders/test_self_sharding.py`` through ``tests/ddp_harness.run_ddp``).
+"""One rank of plain datasets that split their stream by rank themselves, read another stream
+or declare another ``len()`` on each rank, under real DDP (launched by
+``tests/loaders/test_self_sharding.py`` through ``tests/ddp_harness.run_ddp``).
 
 For each case it reads one epoch through ``ResumableLoader`` and reports either the ids this
 rank received or the error it raised::
@@ -32,6 +33,42 @@ class UnsizedDistRankSplit(DistRankSplit):
         raise TypeError("unsized")
 
 
+class ShareDistRankSplit(DistRankSplit):
+    """Splits by ``torch.distributed`` and says so: its ``len()`` is this rank's share."""
+
+    def __len__(self) -> int:
+        return len(self.ids[dist.get_rank()::dist.get_world_size()])
+
+
+class OwnShuffle(IterableDataset[dict[str, int]]):
+    """Shuffles with a generator of its own, seeded in each process (``random.Random()``)."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def __iter__(self) -> Iterator[dict[str, int]]:
+        order = list(self.ids)
+        random.Random().shuffle(order)
+        return ({"id": i} for i in order)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class Declared(IterableDataset[dict[str, int]]):
+    """The whole stream, with a ``len()`` of ``less`` samples fewer on rank 1 than on rank 0
+    (0: the same, and right, on both)."""
+
+    def __init__(self, ids: list[int], less: int = 0) -> None:
+        self.ids, self.less = ids, less
+
+    def __iter__(self) -> Iterator[dict[str, int]]:
+        return ({"id": i} for i in self.ids)
+
+    def __len__(self) -> int:
+        return len(self.ids) - self.less * dist.get_rank()
+
+
 class RankSeededShuffle(IterableDataset[dict[str, int]]):
     """Shuffles its ids with a generator seeded by the rank (its own, not the global RNGs)."""
 
@@ -56,17 +93,25 @@ def main() -> None:
     data_dir = sys.argv[1]
     dist.init_process_group("gloo")
     ids = read_ids(data_dir)
-    cases: dict[str, tuple[Callable[[], Any], int]] = {
-        "dist-unsized-w0": (lambda: UnsizedDistRankSplit(ids), 0),
-        "dist-unsized-w2": (lambda: UnsizedDistRankSplit(ids), 2),
-        "dist-sized-w0": (lambda: DistRankSplit(ids), 0),
-        "seed-per-rank-w2": (lambda: RankSeededShuffle(ids), 2),
-        "shuffle-buffer-w0": (lambda: ShuffleBuffer(ids), 0),
-        "wds-seed-per-rank-w2": (lambda: webdataset_seeded_per_rank(data_dir), 2),
+    # (dataset, num_workers, drop_last): under drop_last, 8 samples declared 7 on rank 1 leave
+    # rank 1 without a batch (its plan is refused), and 6 samples leave both ranks without one
+    cases: dict[str, tuple[Callable[[], Any], int, bool]] = {
+        "dist-unsized-w0": (lambda: UnsizedDistRankSplit(ids), 0, False),
+        "dist-unsized-w2": (lambda: UnsizedDistRankSplit(ids), 2, False),
+        "dist-sized-w0": (lambda: DistRankSplit(ids), 0, False),
+        "dist-share-w0": (lambda: ShareDistRankSplit(ids), 0, False),
+        "seed-per-rank-w2": (lambda: RankSeededShuffle(ids), 2, False),
+        "own-shuffle-sized-w0": (lambda: OwnShuffle(ids), 0, False),
+        "own-shuffle-sized-w2": (lambda: OwnShuffle(ids), 2, False),
+        "len-per-rank-w0": (lambda: Declared(ids, less=1), 0, False),
+        "len-per-rank-no-batch-on-one-w0": (lambda: Declared(ids[:8], less=1), 0, True),
+        "no-batch-on-both-w0": (lambda: Declared(ids[:6]), 0, True),
+        "shuffle-buffer-w0": (lambda: ShuffleBuffer(ids), 0, False),
+        "wds-seed-per-rank-w2": (lambda: webdataset_seeded_per_rank(data_dir), 2, False),
     }
     results: dict[str, Any] = {}
-    for name, (build, workers) in cases.items():
-        loader = ResumableLoader(build(), batch_size=4, num_workers=workers)
+    for name, (build, workers, drop) in cases.items():
+        loader = ResumableLoader(build(), batch_size=4, num_workers=workers, drop_last=drop)
         try:
             results[name] = {"ids": [i for batch in loader for i in batch["id"].tolist()]}
         except Exception as exc:  # reported to the launching test
