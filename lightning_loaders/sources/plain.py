@@ -21,7 +21,7 @@ import hashlib
 import itertools
 import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -33,6 +33,7 @@ from torch.utils.data._utils import worker as torch_worker
 from lightning_loaders.context import (
     RngStates,
     global_rng_states,
+    reseeder,
     seeded_global_rngs,
     set_global_rng_states,
 )
@@ -310,21 +311,24 @@ class _StreamRngs:
     Entered around each batch's read (saving numpy's state costs tens of microseconds, too
     much per sample; entered again inside, it costs nothing), it puts the stream's states in
     place and the caller's back afterwards, so what the fetch draws itself (a ``collate_fn``)
-    does not move with the stream's draws either. Worker threads share the global RNGs: the
-    states stay in place under a process-wide lock, so threads read their streams one at a
-    time.
+    does not move with the stream's draws either: inside a fetch, which seeded them and drew
+    nothing before the read, by seeding them again (``reseeder``), else as they were. Worker
+    threads share the global RNGs: the states stay in place under a process-wide lock, so
+    threads read their streams one at a time.
     """
 
     def __init__(self, states: RngStates) -> None:
         self._states = states
         self._saved: RngStates | None = None
+        self._reseed: Callable[[], None] | None = None
         self._depth = 0  # entered inside itself (a batch's read, then a chunk of it)
 
     def __enter__(self) -> None:
         if self._depth == 0:
             _RNG_LOCK.acquire()
             try:
-                self._saved = global_rng_states()
+                self._reseed = reseeder()
+                self._saved = global_rng_states() if self._reseed is None else None
                 set_global_rng_states(self._states)
             except BaseException:
                 _RNG_LOCK.release()
@@ -337,10 +341,13 @@ class _StreamRngs:
             return
         try:
             self._states = global_rng_states()
-            assert self._saved is not None
-            set_global_rng_states(self._saved)
+            if self._reseed is not None:
+                self._reseed()
+            else:
+                assert self._saved is not None
+                set_global_rng_states(self._saved)
         finally:
-            self._saved = None
+            self._saved, self._reseed = None, None
             _RNG_LOCK.release()
 
 

@@ -361,6 +361,30 @@ def test_a_streams_draws_leave_the_fetchs_own_seeding_alone(workers, data_dir) -
     assert draws(ShuffleBuffer(ids)) == draws(EnvRankSplit(ids))
 
 
+@pytest.mark.parametrize("resumed", [False, True])
+def test_a_streams_draws_leave_the_training_loops_rngs_alone(resumed, data_dir) -> None:
+    """With ``num_workers=0`` the global RNGs are the training loop's: the stream's draws, under
+    states of its own, leave them where a stream that draws nothing leaves them, in a fetch
+    (seeded for the batch, then continued) and where a resume reads its way back into its
+    shuffle window (outside any fetch: put back as they were)."""
+    ids = read_ids(str(data_dir))
+
+    def after_a_batch(dataset: IterableDataset[Any]) -> list[int]:
+        loader = ResumableLoader(dataset, batch_size=BATCH, shuffle_buffer=3, seed=5)
+        if resumed:
+            first = ResumableLoader(dataset, batch_size=BATCH, shuffle_buffer=3, seed=5)
+            batches = iter(first)
+            next(batches), next(batches)
+            loader.load_state_dict(first.state_dict())
+            first.close()
+        random.seed(0), np.random.seed(0), torch.manual_seed(0)
+        next(iter(loader))
+        loader.close()
+        return _collate_draws([])
+
+    assert after_a_batch(ShuffleBuffer(ids)) == after_a_batch(EnvRankSplit(ids))
+
+
 def _collate_draws(batch: list[Any]) -> list[int]:
     return [random.getrandbits(30), int(np.random.randint(2**30)), int(torch.randint(2**30, ()))]
 
