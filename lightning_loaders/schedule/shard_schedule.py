@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from lightning_loaders.collectives import agree_range, gather_by_rank, group_size
 from lightning_loaders.errors import StateMismatchError
+from lightning_loaders.placement import resolve_rank_world
 from lightning_loaders.schedule.epochs import EpochOwner, warn_past_len
 from lightning_loaders.schedule.partition_plan import advanced, deal, uses_partitions
 from lightning_loaders.schedule.requests import (
@@ -187,9 +188,10 @@ class IterableSchedule(EpochOwner):
         Every rank calls it at every epoch start (each ``iter()``, which every rank makes
         alike), and whatever ``begin()`` raises on one rank (a plan it refuses, as a ``len()``
         of its own can make it) waits until the ranks have compared, so the one small
-        collective cannot hang. Without a process group of the placement's ranks (one process
-        placed by hand) there is nothing to compare with."""
-        world_size = self.placement[1]
+        collective cannot hang. The placement is the one ``begin()`` plans the epoch with,
+        resolved afresh (the last epoch's may be from before DDP started); without a process
+        group of its ranks (one process placed by hand) there is nothing to compare with."""
+        world_size = resolve_rank_world(*self._explicit_placement)[1]
         if world_size == 1 or group_size() != world_size:
             begin()
             return

@@ -741,10 +741,11 @@ def test_ddp_datasets_splitting_by_torch_distributed_or_seeding_per_rank_are_ref
     with or without a length, the ranks compare their len() and their streams' first samples
     at every epoch start, so a dataset that splits itself by rank (its len() the full one or
     its share) or shuffles with a seed of each process is refused on every rank, as is a len()
-    that differs by rank, even where it makes one rank refuse its plan (nothing hangs). A
-    WebDataset seeding its shard shuffle per rank is read whole (the loader seeds its
-    shuffles), and a shuffle buffer drawing from the global RNGs is one stream on every rank:
-    every id arrives once."""
+    that differs by rank, even where it makes one rank refuse its plan (nothing hangs), and
+    in the epoch after one read before DDP started (placed at rank 0 of 1). A WebDataset
+    seeding its shard shuffle per rank is read whole (the loader seeds its shuffles), and a
+    shuffle buffer drawing from the global RNGs is one stream on every rank: every id arrives
+    once."""
     runs = run_ddp(REPO / "tests" / "scripts" / "self_sharding_ddp.py", [str(data_dir)],
                    tmp_path / "ddp")
     for case in ("wds-seed-per-rank-w2", "shuffle-buffer-w0"):
@@ -761,6 +762,11 @@ def test_ddp_datasets_splitting_by_torch_distributed_or_seeding_per_rank_are_ref
             assert run[case].get("error", "").startswith(
                 f"ValueError: the plain dataset's len() differs between ranks (from {low} to "
                 f"{high}; {high - rank} here)"), (rank, case, run[case])
+        before_ddp = run["read-before-ddp"]
+        assert before_ddp["alone"] == sorted(read_ids(str(data_dir))), rank
+        assert before_ddp.get("error", "").startswith(
+            "ValueError: the plain dataset's stream differs between ranks in epoch 1"), (
+            rank, before_ddp)
         assert run["no-batch-on-both-w0"].get("error", "").startswith(
             "ValueError: last_batch='drop' leaves no batch on some rank"), (
             rank, run["no-batch-on-both-w0"])

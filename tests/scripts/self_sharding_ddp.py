@@ -12,6 +12,7 @@ rank received or the error it raised::
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 import warnings
@@ -88,11 +89,27 @@ def webdataset_seeded_per_rank(data_dir: str) -> Any:
     return wds.WebDataset(urls, shardshuffle=4, seed=dist.get_rank()).decode().map(_wds_sample)
 
 
+def read_before_ddp(ids: list[int]) -> dict[str, Any]:
+    """Epoch 0 read before the process group and the environment place the rank (each rank
+    alone, at rank 0 of 1), then epoch 1 under DDP, of a stream that differs by rank."""
+    placing = {name: os.environ.pop(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    loader = ResumableLoader(OwnShuffle(ids), batch_size=4)
+    alone = sorted(i for batch in loader for i in batch["id"].tolist())
+    os.environ.update(placing)
+    dist.init_process_group("gloo")
+    try:
+        return {"alone": alone, "ids": [i for batch in loader for i in batch["id"].tolist()]}
+    except Exception as exc:  # reported to the launching test
+        return {"alone": alone, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        loader.close()
+
+
 def main() -> None:
     warnings.filterwarnings("ignore")
     data_dir = sys.argv[1]
-    dist.init_process_group("gloo")
     ids = read_ids(data_dir)
+    before_ddp = read_before_ddp(ids)  # starts the process group
     # (dataset, num_workers, drop_last): under drop_last, 8 samples declared 7 on rank 1 leave
     # rank 1 without a batch (its plan is refused), and 6 samples leave both ranks without one
     cases: dict[str, tuple[Callable[[], Any], int, bool]] = {
@@ -109,7 +126,7 @@ def main() -> None:
         "shuffle-buffer-w0": (lambda: ShuffleBuffer(ids), 0, False),
         "wds-seed-per-rank-w2": (lambda: webdataset_seeded_per_rank(data_dir), 2, False),
     }
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"read-before-ddp": before_ddp}
     for name, (build, workers, drop) in cases.items():
         loader = ResumableLoader(build(), batch_size=4, num_workers=workers, drop_last=drop)
         try:
