@@ -1,5 +1,6 @@
-"""A bucketing batch sampler for tests: batches of many sizes, and epochs that differ in their
-number of batches, as bucketing by length and token budgets make them."""
+"""Samplers for tests whose epochs differ in length: a bucketing batch sampler (batches of many
+sizes, and epochs that differ in their number of batches, as bucketing by length and token
+budgets make them) and a curriculum whose ``len()`` follows its ``set_epoch``."""
 
 from __future__ import annotations
 
@@ -39,6 +40,28 @@ class LengthBuckets(Sampler[list[int]]):
             batches.append(batch)
         order = torch.randperm(len(batches), generator=generator).tolist()
         return iter([batches[j] for j in order])
+
+
+class GrowingCurriculum(Sampler[int]):
+    """A curriculum: epoch ``e`` reads a shuffle of the first ``10 + 4e`` samples, and
+    ``len()`` says so once ``set_epoch(e)`` is called."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return 10 + 4 * self.epoch
+
+    def __iter__(self):
+        return iter(torch.randperm(len(self)).tolist())
+
+
+def curriculum_epochs(epochs: int) -> list[list[int]]:
+    """The samples ``GrowingCurriculum`` reads in each epoch, sorted."""
+    return [list(range(10 + 4 * epoch)) for epoch in range(epochs)]
 
 
 def sampler_epochs(n: int, epochs: int) -> list[list[list[int]]]:

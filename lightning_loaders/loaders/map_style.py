@@ -300,7 +300,8 @@ class MapStyleLoader(ResumableLoader):
     def _warn_if_the_trainer_stops_early(self) -> None:
         """Lightning's fit loop stops every epoch after the ``len()`` it read when it set the
         data up: say so at the start of an epoch with more batches (a batch sampler's epochs
-        may differ in length, a dataset may grow), whose last ones it would skip."""
+        may differ in length, so may a sampler's whose ``len()`` follows its ``set_epoch``, a
+        dataset may grow), whose last ones it would skip."""
         told, schedule = self._trainer_len, self.schedule
         if told is None or schedule.batches or schedule.last_batch == "rollover":
             return

@@ -14,7 +14,7 @@ import numpy as np
 from lightning_loaders.hashing import mix64
 from lightning_loaders.orders.permutation import KeyedPermutation
 
-__all__ = ["BatchedOrder", "SampleOrder", "SequentialOrder", "ShuffledOrder"]
+__all__ = ["BatchedOrder", "EpochSizedOrder", "SampleOrder", "SequentialOrder", "ShuffledOrder"]
 
 _CHUNK_BITS = 16
 _CHUNK = 1 << _CHUNK_BITS
@@ -49,6 +49,17 @@ class BatchedOrder(SampleOrder, Protocol):
     def batch_bounds(self, epoch: int) -> np.ndarray | None:
         """Where each batch of ``epoch`` begins among its positions, then the epoch's end
         (``None``: the epoch is cut into batches of ``batch_size``)."""
+        ...
+
+
+@runtime_checkable
+class EpochSizedOrder(SampleOrder, Protocol):
+    """An order whose epochs may differ in length: a drawn sampler whose ``len()`` follows its
+    ``set_epoch`` (a curriculum reading more of the dataset every epoch). ``len()`` is the
+    length the order was built with; each epoch is planned with its own."""
+
+    def epoch_len(self, epoch: int) -> int:
+        """Positions of ``epoch``."""
         ...
 
 

@@ -5,10 +5,13 @@ once per epoch on every rank (its first ``len()`` indices, as a trainer that sto
 ``len()`` would read), after seeding everything it could draw randomness from (its
 ``generator`` attribute and that of a wrapped ``.sampler``, the ``random``/``numpy``/``torch``
 global RNGs) from ``(seed, epoch)`` and calling its ``set_epoch(epoch)`` when it has one (its
-``epoch`` attribute is then put back: the loader reads the user's ``set_epoch`` there). Every
-rank then holds the same epoch and the global plan gives each rank its slice of every global
-batch. The first draw is made twice to check that the sampler is deterministic given that
-seeding; if not, exact resume and consistent ranks are impossible and a warning says so.
+``epoch`` attribute is then put back: the loader reads the user's ``set_epoch`` there). Its
+``len()`` is read after that ``set_epoch``: a sampler whose length follows its epoch (a
+curriculum) has epochs of their own lengths (``epoch_len``), as ``DataLoader`` reads them when
+the sampler's epoch is set. Every rank then holds the same epoch and the global plan gives
+each rank its slice of every global batch. The first draw is made twice to check that the
+sampler is deterministic given that seeding; if not, exact resume and consistent ranks are
+impossible and a warning says so.
 
 A batch sampler's epoch is its batches laid end to end; when they are not of one size
 (bucketing by length, token budgets) the order also gives their boundaries, and the plan deals
@@ -88,6 +91,20 @@ class DrawnOrder:
         assert self._length is not None
         return self._length
 
+    def epoch_len(self, epoch: int) -> int:
+        """Positions of ``epoch``: the sampler's ``len()`` once its ``set_epoch(epoch)`` is
+        called (without a ``set_epoch``, or a ``len()``, every epoch has ``len(self)``)."""
+        cached = self._cache.get(epoch)
+        if cached is not None:
+            return len(cached.indices)
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if not self._declared or not callable(set_epoch):
+            return len(self)
+        with _epoch_kept(self.sampler):
+            set_epoch(epoch)
+            length = _declared_length(self.sampler)
+        return len(self) if length is None else length
+
     def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         return self._drawn(epoch).indices[np.asarray(positions, dtype=np.int64)]
 
@@ -149,11 +166,16 @@ class DrawnOrder:
             set_epoch = getattr(self.sampler, "set_epoch", None)
             if callable(set_epoch):
                 set_epoch(epoch)
+            length = None
+            if self._declared:  # read after set_epoch, which may change it (epoch_len)
+                length = _declared_length(self.sampler) if callable(set_epoch) else len(self)
             items = iter(self.sampler)
-            return self._collect(items, epoch)
+            return self._collect(items, epoch, length)
 
-    def _collect(self, items: Iterator[Any], epoch: int) -> _Drawn:
-        if not self._declared:
+    def _collect(self, items: Iterator[Any], epoch: int, length: int | None) -> _Drawn:
+        """The epoch's indices: its first ``length`` (its ``len()`` after ``set_epoch``), or,
+        without a ``len()`` (``None``), all of them."""
+        if length is None:
             drawn = _as_indices(_listed(items, self._name, "indices", "Give it a __len__: each "
                                         "epoch then takes its first len() indices"), self._name)
             if self._length is not None and len(drawn) != self._length:
@@ -164,17 +186,17 @@ class DrawnOrder:
                     "sampler a __len__ that says each epoch's length: a changed len() is "
                     "followed between epochs")
             return _Drawn(drawn)
-        drawn = _as_indices(list(islice(items, self._length)), self._name)
-        if not len(drawn) and self._length:
+        drawn = _as_indices(list(islice(items, length)), self._name)
+        if not len(drawn) and length:
             raise _NothingDrawn(f"{self._name} yielded no index in epoch {epoch}, but len() is "
-                                f"{self._length}: every epoch must have len() indices")
-        if len(drawn) != self._length:
+                                f"{length}: every epoch must have len() indices")
+        if len(drawn) != length:
             raise ValueError(f"{self._name} yielded only {len(drawn)} indices in epoch {epoch}, "
-                             f"but len() is {self._length}: every epoch must have len() indices")
+                             f"but len() is {length}: every epoch must have len() indices")
         if not self._checked and next(items, None) is not None:
             warnings.warn(
-                f"{self._name} yields more indices than its len() ({self._length}): each epoch "
-                f"takes its first {self._length}, as a trainer that stops at len() reads an "
+                f"{self._name} yields more indices than its len() ({length}): each epoch "
+                f"takes its first {length}, as a trainer that stops at len() reads an "
                 "endless sampler (DataLoader would deliver them all). Make len() the epoch's "
                 "length if it is not.", stacklevel=6)
         return _Drawn(drawn)
@@ -231,7 +253,7 @@ class DrawnBatchOrder(DrawnOrder):
         (``None``: the epoch is cut into batches of ``batch_size``)."""
         return self._drawn(epoch).bounds
 
-    def _collect(self, items: Iterator[Any], epoch: int) -> _Drawn:
+    def _collect(self, items: Iterator[Any], epoch: int, length: int | None) -> _Drawn:
         batches = [_as_indices(list(batch), self._name)
                    for batch in _listed(items, self._name, "batches", "Give each epoch an end")]
         if not batches:

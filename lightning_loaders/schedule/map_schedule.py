@@ -23,7 +23,7 @@ import torch
 
 from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.hashing import checked_seed
-from lightning_loaders.orders.base import BatchedOrder, SampleOrder
+from lightning_loaders.orders.base import BatchedOrder, EpochSizedOrder, SampleOrder
 from lightning_loaders.schedule.audit import (
     AUDIT,
     audit_part,
@@ -124,23 +124,43 @@ class MapSchedule(EpochOwner):
                     f"sampler's batches differ in size in epoch {epoch}: use last_batch="
                     "'keep', 'drop' or 'pad'")
             start, stop = rollover_span(epoch, self.dataset_len, self.batch_size * world_size)
+            self._check_rollover_lengths(start, stop)
             return EpochPlan(start, stop, self.batch_size, world_size, "drop")
         if bounds is not None:
             return self._boundary_plan(epoch, bounds, world_size, offset_position)
-        plan = EpochPlan(offset_position, self.dataset_len, self.batch_size, world_size,
+        length = self.epoch_len(epoch)
+        plan = EpochPlan(offset_position, length, self.batch_size, world_size,
                          self.last_batch, merge_short_tail=self.merge_short_tail)
-        if offset_position == 0 and self.dataset_len == 0:
+        if offset_position == 0 and length == 0:
             raise ValueError("the order has no sample in epoch "
                              f"{epoch}: its sampler yields no index (len() is 0); a loader "
                              "needs at least one sample")
         if offset_position == 0 and plan.num_batches == 0:
             raise ValueError(
-                f"last_batch='drop' leaves no batch: {self.dataset_len} samples are fewer than "
+                f"last_batch='drop' leaves no batch: {length} samples are fewer than "
                 f"one global batch of {world_size} ranks x batch_size {self.batch_size}; use a "
                 "smaller batch_size, fewer ranks, or last_batch='pad' (or 'keep' with at least "
                 "one sample per rank)"
             )
         return plan
+
+    def epoch_len(self, epoch: int) -> int:
+        """Positions of ``epoch``: ``dataset_len``, unless the order's epochs differ in length
+        (``EpochSizedOrder``: a sampler whose ``len()`` follows its ``set_epoch``)."""
+        order = self.order
+        return order.epoch_len(epoch) if isinstance(order, EpochSizedOrder) else self.dataset_len
+
+    def _check_rollover_lengths(self, start: int, stop: int) -> None:
+        """Refuse rollover stream positions ``[start, stop)`` over an epoch whose length is not
+        ``dataset_len``: the stream lays epochs of that one length end to end."""
+        n = self.dataset_len
+        for epoch in range(start // n, max(stop - 1, start) // n + 1):
+            length = self.epoch_len(epoch)
+            if length != n:
+                raise ValueError(
+                    f"last_batch='rollover' needs epochs of one length, but the sampler's len() "
+                    f"is {length} in epoch {epoch} and was {n} when the loader was built: use "
+                    "last_batch='keep', 'drop' or 'pad'")
 
     def _batch_bounds(self, epoch: int) -> np.ndarray | None:
         """The boundaries of ``epoch``'s batches when the order is a batch sampler's whose

@@ -1,6 +1,7 @@
 """A bucketing batch sampler (batches of many sizes, a number of batches that changes between
-epochs) in a plain ``DataLoader``, made resumable with ``make_resumable``, under a real
-Lightning ``Trainer`` on CPU.
+epochs) and a curriculum sampler (whose ``len()`` grows with its ``set_epoch``) in a plain
+``DataLoader``, made resumable with ``make_resumable``, under a real Lightning ``Trainer`` on
+CPU.
 
 Lightning reads ``len()`` when it sets the data up and stops every epoch there, so epochs whose
 lengths differ need ``reload_dataloaders_every_n_epochs=1``; ``ExactResume`` then also resumes a
@@ -16,7 +17,14 @@ import pytest
 from torch.utils.data import DataLoader
 
 from lightning_loaders import ExactResume, ResumableLoader, make_resumable
-from tests.buckets import LengthBuckets, dealt, flat, sampler_epochs
+from tests.buckets import (
+    GrowingCurriculum,
+    LengthBuckets,
+    curriculum_epochs,
+    dealt,
+    flat,
+    sampler_epochs,
+)
 from tests.conftest import IndexDataset
 from tests.ddp_harness import REPO, run_ddp
 from tests.lightning_harness import checkpoint_at, every_step_checkpoints, fit_recording
@@ -66,6 +74,43 @@ def test_without_reloads_a_longer_epoch_is_cut_at_the_first_len_with_a_warning(
                       ".*reload_dataloaders_every_n_epochs=1"):
         seen = fit_recording(make, tmp_path, EPOCHS)
     assert per_epoch(seen) == [*expected[:2], expected[2][:len(expected[0])]]
+
+
+def curriculum() -> ResumableLoader:
+    return make_resumable(DataLoader(IndexDataset(N), batch_size=4, sampler=GrowingCurriculum()))
+
+
+def samples_per_epoch(seen: list) -> list[list[int]]:
+    return [sorted(i for e, _, batch in seen if e == epoch for i in batch)
+            for epoch in range(EPOCHS)]
+
+
+def test_a_curriculum_trains_every_epochs_samples_with_reloads(tmp_path: Path) -> None:
+    """Lightning sets the loader's epoch, not the sampler's: every epoch read the length the
+    sampler had when the loader was built (10/10/10); it reads the sampler's ``len()`` of that
+    epoch (10/14/18), as the sampler gives them by hand."""
+    seen = fit_recording(curriculum, tmp_path, EPOCHS, **RELOAD)
+    assert samples_per_epoch(seen) == curriculum_epochs(EPOCHS)
+
+
+def test_without_reloads_a_curriculums_longer_epochs_are_cut_with_a_warning(
+        tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="epoch 1 has 4 batches.*Lightning read len\\(\\)=3"
+                      ".*reload_dataloaders_every_n_epochs=1"):
+        seen = fit_recording(curriculum, tmp_path, EPOCHS)
+    assert [len(samples) for samples in samples_per_epoch(seen)] == [10, 12, 12]
+
+
+@pytest.mark.filterwarnings("ignore:.*ckpt_path")
+def test_every_checkpoint_of_a_curriculum_resumes_exactly(tmp_path: Path) -> None:
+    directory = tmp_path / "checkpoints"
+    full = fit_recording(curriculum, tmp_path, EPOCHS,
+                         [ExactResume(), every_step_checkpoints(directory)], **RELOAD)
+    assert samples_per_epoch(full) == curriculum_epochs(EPOCHS)
+    for step in range(1, len(full) + 1):
+        resumed = fit_recording(curriculum, tmp_path / "resumed", EPOCHS, [ExactResume()],
+                                ckpt_path=checkpoint_at(directory, step), **RELOAD)
+        assert resumed == full[step:], f"resume from step {step} diverged"
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from lightning_loaders import ResumableLoader, make_resumable
 from lightning_loaders.orders import drawn
 from lightning_loaders.orders.drawn import DrawnBatchOrder, DrawnOrder
 from lightning_loaders.testing import check_resume_at_every_step, run_epochs
+from tests.buckets import GrowingCurriculum, curriculum_epochs
 from tests.conftest import IndexDataset
 
 N = 21
@@ -227,6 +228,41 @@ def test_a_sampler_without_len_whose_epochs_differ_in_length_is_refused() -> Non
     assert [i for b in loader for i in indices(b)] == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="no len\\(\\) and yielded 8 indices in epoch 1, 4 in "
                                          "the first.*__len__"):
+        list(loader)
+
+
+def test_a_len_that_follows_set_epoch_gives_each_epoch_its_length_and_resumes_exactly() -> None:
+    """Each epoch reads the sampler's ``len()`` after the draw's ``set_epoch(e)``, as
+    ``DataLoader`` reads it after the user's; it read the length the loader was built with in
+    every epoch (10/10/10 when the loader's epoch is set, as Lightning sets it)."""
+    def make() -> ResumableLoader:
+        return make_resumable(DataLoader(IndexDataset(N), batch_size=4,
+                                         sampler=GrowingCurriculum()))
+
+    full = check_resume_at_every_step(make, epochs=3, key=indices)
+    assert [sorted(i for b in epoch for i in b) for epoch in full] == curriculum_epochs(3)
+    assert [len(epoch) for epoch in full] == [3, 4, 5]
+
+
+def test_every_rank_plans_a_growing_epoch_alike_and_reads_its_share() -> None:
+    def run(rank: int) -> list[list[list[int]]]:
+        loader = ResumableLoader(IndexDataset(N), sampler=GrowingCurriculum(), batch_size=2,
+                                 seed=3, rank=rank, world_size=2)
+        return run_epochs(loader, range(3), key=indices)
+
+    ranks = [run(rank) for rank in range(2)]
+    assert [len(epoch) for epoch in ranks[0]] == [len(epoch) for epoch in ranks[1]] == [3, 4, 5]
+    read = [sorted(i for rank in ranks for b in rank[epoch] for i in b) for epoch in range(3)]
+    assert read == curriculum_epochs(3)
+
+
+def test_rollover_over_a_len_that_follows_set_epoch_is_refused() -> None:
+    """Rollover lays epochs of one length end to end: a longer epoch would be cut silently."""
+    loader = ResumableLoader(IndexDataset(N), sampler=GrowingCurriculum(), batch_size=4,
+                             last_batch="rollover")
+    assert [i for b in loader for i in indices(b)] != []
+    with pytest.raises(ValueError, match="'rollover' needs epochs of one length.*len\\(\\) is "
+                                         "14 in epoch 1 and was 10.*'keep', 'drop' or 'pad'"):
         list(loader)
 
 
