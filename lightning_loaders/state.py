@@ -6,7 +6,8 @@ position, and every other component (an order's or a dataset's own state, skippe
 slots of an iterable dataset, DALI checkpoints) nests its state under its name in ``parts``,
 through the ``Stateful`` protocol. Its size is O(1) in dataset length and in worker count.
 Restoring a state of another kind, dataset or configuration is refused with every mismatched
-field and both values named.
+field and both values named. Fingerprint fields added to version 2 later (``ADDED_FIELDS``) are
+checked only when the state has them: a state saved before they existed still loads.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ VERSION = "version"
 FINGERPRINT = "fingerprint"
 PARTS = "parts"
 ABANDONED = "abandoned"
+CONTENT = "content"  # the fingerprint's identity of the data's rows, when the data has one
+ADDED_FIELDS = frozenset({CONTENT})
+"""Fingerprint fields that states saved by earlier releases of version 2 lack: such a state is
+checked without them, as it was when saved (it still names the data's length)."""
 
 
 @runtime_checkable
@@ -61,7 +66,8 @@ class LoaderState:
         offset_batches: batches delivered in ``epoch`` before that plan started.
         trainer_epoch: the trainer's epoch (its last ``set_epoch``) when ``epoch`` began; a
             later trainer epoch on restore means the trainer has moved on from this epoch.
-        fingerprint: dataset length, seed, batch size, last-batch policy and order; must match.
+        fingerprint: dataset length (and identity of its rows, ``content``, when the data
+            has one), seed, batch size, last-batch policy and order; must match.
         parts: each component's own state under its name (``"order"``, ``"dataset"``,
             ``"skipped"``, ``"slots"``, ``"dali"``).
         abandoned: its reader left ``epoch`` for good (``abandoned()``): restored, the next
@@ -137,7 +143,7 @@ class LoaderState:
         mismatches = [
             f"{key}: saved {saved.get(key)!r}, this loader {expected.get(key)!r}"
             for key in sorted(set(saved) | set(expected))
-            if saved.get(key) != expected.get(key)
+            if saved.get(key) != expected.get(key) and (key in saved or key not in ADDED_FIELDS)
         ]
         if mismatches:
             raise StateMismatchError("state_dict does not belong to this loader's dataset and "

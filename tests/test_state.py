@@ -57,6 +57,19 @@ def test_mismatch_names_every_field_with_both_values() -> None:
     assert "batch_size" not in message
 
 
+def test_a_state_without_a_field_added_later_is_checked_without_it() -> None:
+    """``content`` (the data's identity) came after version 2's first release: a state saved
+    before it loads; a state that has it must match, and a loader without one refuses it."""
+    with_content = {**FP, "content": "rows 1f"}
+    old = LoaderState("map", 0, 1, 1, fingerprint=FP).to_dict()
+    assert LoaderState.from_dict(old, "map", with_content).fingerprint == FP
+    new = LoaderState("map", 0, 1, 1, fingerprint=with_content).to_dict()
+    for expected, shown in (({**FP, "content": "rows 2e"}, "'rows 2e'"), (FP, "None")):
+        with pytest.raises(StateMismatchError,
+                           match=f"content: saved 'rows 1f', this loader {shown}"):
+            LoaderState.from_dict(new, "map", expected)
+
+
 @pytest.mark.parametrize(
     "bad",
     [

@@ -56,6 +56,7 @@ from lightning_loaders.schedule.audit import AUDIT
 from lightning_loaders.schedule.map_plan import LastBatch
 from lightning_loaders.schedule.map_schedule import MapSchedule, resolve_last_batch, resolve_seed
 from lightning_loaders.schedule.requests import BatchRequest
+from lightning_loaders.sources.identity import content_identity
 from lightning_loaders.sources.mix import Mix
 from lightning_loaders.state import PARTS, LoaderState, is_stateful
 
@@ -122,7 +123,8 @@ class MapStyleLoader(ResumableLoader):
         self._order_read = self._order_key()
         self.schedule = MapSchedule(order, plan_batch_size, self.last_batch, self.seed,
                                     options.rank, options.world_size,
-                                    merge_short_tail=options.evaluation)
+                                    merge_short_tail=options.evaluation,
+                                    content=content_identity(dataset))
         _check_plan(self.schedule)
         self._follow_mix()
         self.sampler = (SequentialEpochSampler if isinstance(order, SequentialOrder)
@@ -163,10 +165,12 @@ class MapStyleLoader(ResumableLoader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a cursor; the next ``iter()`` continues exactly after its last batch.
 
-        A state from another dataset length, seed, batch size, last-batch policy or order, of
-        an unknown version, or corrupted, is refused with a ``StateMismatchError`` naming each
-        field and both values. ``num_workers``, ``prefetch_factor`` and ``pin_memory`` may
-        differ, and so may the world size (except under ``last_batch="rollover"``).
+        A state from another dataset length or content (the rows of a ``TableDataset`` or a
+        Hugging Face ``Dataset``: ``content_identity``), seed, batch size, last-batch policy or
+        order, of an unknown version, or corrupted, is refused with a ``StateMismatchError``
+        naming each field and both values. ``num_workers``, ``prefetch_factor`` and
+        ``pin_memory`` may differ, and so may the world size (except under
+        ``last_batch="rollover"``).
 
         A dataset with ``state_dict()``/``load_state_dict()`` (torchdata's ``Stateful``) gets
         the state its main-process object had when the state was saved (rank 0's, under DDP);
@@ -341,6 +345,7 @@ class MapStyleLoader(ResumableLoader):
         order = self._make_order(sampler, shuffle, len(self.dataset))
         schedule.order, schedule.dataset_len = order, len(order)
         if resized:
+            schedule.content = content_identity(self.dataset)
             self.close()
             self._batch_fetcher = None
 

@@ -45,7 +45,7 @@ from lightning_loaders.schedule.map_plan import (
     rollover_span,
 )
 from lightning_loaders.schedule.requests import BatchRequest
-from lightning_loaders.state import LoaderState, is_stateful
+from lightning_loaders.state import CONTENT, LoaderState, is_stateful
 
 __all__ = [
     "MapSchedule",
@@ -72,8 +72,9 @@ class MapSchedule(EpochOwner):
 
     def __init__(self, order: SampleOrder, batch_size: int, last_batch: LastBatch, seed: int,
                  rank: int | None = None, world_size: int | None = None,
-                 merge_short_tail: bool = False) -> None:
+                 merge_short_tail: bool = False, content: str | None = None) -> None:
         self.order = order
+        self.content = content  # the data's identity, when it has one (``content_identity``)
         self.merge_short_tail = merge_short_tail
         self.dataset_len = len(order)
         self.batch_size = batch_size
@@ -271,9 +272,12 @@ class MapSchedule(EpochOwner):
     # -- state ------------------------------------------------------------------------------
 
     def fingerprint(self) -> dict[str, Any]:
+        """What a state is only valid for: the data (its length, and its ``content`` when
+        known) and the configuration that plans its epochs."""
+        content = {} if self.content is None else {CONTENT: self.content}
         return {"dataset_len": self.dataset_len, "seed": self.seed,
                 "batch_size": self.batch_size, "last_batch": self.last_batch,
-                "order": self.order.fingerprint}
+                "order": self.order.fingerprint, **content}
 
     def state_dict(self, held: int = 0) -> dict[str, Any]:
         """The cursor as a small plain dict (O(1) in dataset length and worker count).

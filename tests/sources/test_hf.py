@@ -3,6 +3,7 @@ map-style ``datasets.Dataset`` through ``ResumableLoader``. All data is made her
 
 from __future__ import annotations
 
+import os
 import pickle
 import subprocess
 import sys
@@ -493,6 +494,108 @@ def test_a_map_style_dataset_is_read_exactly_once_per_epoch_and_resumes(workers)
     for epoch in full:
         assert sorted(i for batch in epoch for i in batch) == list(range(N))
     assert full[0] != full[1]
+
+
+def _jsonl(root: Path, name: str, first: int, n: int = N) -> str:
+    """A JSON Lines file of ``n`` rows with ids from ``first`` on."""
+    path = root / f"{name}.jsonl"
+    path.write_text("".join(f'{{"id": {first + i}}}\n' for i in range(n)))
+    return str(path)
+
+
+def unhashable_map(dataset: datasets.Dataset) -> datasets.Dataset:
+    """A ``map`` whose function ``datasets`` cannot hash (it holds a generator): it gets a
+    random ``_fingerprint``, new in every process and every call, as many user functions do."""
+    factor = (k for k in (2,))
+
+    def twice(example: dict[str, Any]) -> dict[str, Any]:
+        assert factor is not None
+        return {"y": example["id"] * 2}
+
+    return dataset.map(twice)
+
+
+def from_json(path: str) -> datasets.Dataset:
+    """The dataset the fresh-process test rebuilds: the file, a ``map`` with a random
+    fingerprint, and a transform (user code the identity must not run)."""
+    dataset = unhashable_map(datasets.load_dataset("json", data_files=[path], split="train"))
+    dataset.set_transform(lambda batch: {"id": [i + 1000 for i in batch["id"]]})
+    return dataset
+
+
+def json_loader(dataset: datasets.Dataset) -> Any:
+    return ResumableLoader(dataset, batch_size=4, shuffle=True, seed=1)
+
+
+_SAVE_IN_A_FRESH_PROCESS = """
+import sys, torch
+from tests.sources.test_hf import from_json, json_loader
+dataset = from_json(sys.argv[1])
+loader = json_loader(dataset)
+iterator = iter(loader)
+next(iterator), next(iterator)
+torch.save({"state": loader.state_dict(), "fingerprint": dataset._fingerprint}, sys.argv[2])
+"""
+
+
+def test_a_map_style_state_resumes_over_the_same_rows_rebuilt_in_another_process(
+        tmp_path) -> None:
+    """The identity is a digest of a few rows read as Arrow: the same file rebuilt in a fresh
+    process, through a ``map`` whose random ``_fingerprint`` differs there, resumes exactly."""
+    path = _jsonl(tmp_path, "a", 0)
+    saved = tmp_path / "state.pt"
+    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "child-cache"),
+           "HF_DATASETS_OFFLINE": "1"}
+    subprocess.run([sys.executable, "-c", _SAVE_IN_A_FRESH_PROCESS, path, str(saved)],
+                   check=True, timeout=300, env=env, cwd=Path(__file__).parents[2])
+    child = torch.load(saved, weights_only=False)
+    dataset = from_json(path)
+    assert child["fingerprint"] != dataset._fingerprint  # Hugging Face's would refuse it
+    assert child["state"]["fingerprint"]["content"].startswith("datasets.Dataset rows ")
+    whole = run_epochs(json_loader(from_json(path)), [0], key=ids)[0]
+    resumed = json_loader(dataset)
+    resumed.load_state_dict(child["state"])
+    assert [ids(batch) for batch in resumed] == whole[2:]
+
+
+def test_a_map_style_state_over_other_rows_of_the_same_length_is_refused(tmp_path) -> None:
+    """Other files, another shuffle of the rows or another selection, with as many rows: a
+    state saved over one is refused by the other, both identities shown; each loads into a
+    loader over its own rows, read again from its files."""
+    a, b = _jsonl(tmp_path, "a", 0), _jsonl(tmp_path, "b", 5000)
+
+    def load(path: str) -> datasets.Dataset:
+        return datasets.load_dataset("json", data_files=[path], split="train")
+
+    pairs = [(lambda: load(a), lambda: load(b)),
+             (lambda: load(a).shuffle(seed=1), lambda: load(a).shuffle(seed=2)),
+             (lambda: load(a).select(range(N - 1)), lambda: load(a).select(range(1, N)))]
+    for saved, other in pairs:
+        loader = json_loader(saved())
+        next(iter(loader))
+        state = loader.state_dict()
+        with pytest.raises(ValueError, match=r"content: saved 'datasets.Dataset rows \w+', "
+                                             r"this loader 'datasets.Dataset rows \w+'"):
+            json_loader(other()).load_state_dict(state)
+        json_loader(saved()).load_state_dict(state)
+
+
+def test_a_map_style_state_saved_without_a_content_identity_still_loads(tmp_path) -> None:
+    """A state of the release before the identity (a fingerprint without ``content``) is
+    checked as it was then, and resumes."""
+    dataset = datasets.load_dataset("json", data_files=[_jsonl(tmp_path, "a", 0)],
+                                    split="train")
+    whole = run_epochs(json_loader(dataset), [0], key=ids)[0]
+    loader = json_loader(dataset)
+    iterator = iter(loader)
+    next(iterator), next(iterator), next(iterator)
+    state = loader.state_dict()
+    del state["fingerprint"]["content"]
+    assert set(state["fingerprint"]) == {"dataset_len", "seed", "batch_size", "last_batch",
+                                         "order"}
+    resumed = json_loader(dataset)
+    resumed.load_state_dict(state)
+    assert [ids(batch) for batch in resumed] == whole[3:]
 
 
 # -- DDP under a real Trainer -------------------------------------------------------------------

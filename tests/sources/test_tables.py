@@ -12,9 +12,13 @@ from torch.utils.data import DataLoader
 
 pa = pytest.importorskip("pyarrow", reason="TableDataset keeps its table in Arrow")
 
-from lightning_loaders import ResumableLoader  # noqa: E402
+from lightning_loaders import ResumableLoader, StateMismatchError  # noqa: E402
 from lightning_loaders.sources.tables import TableDataset, arrow_rows  # noqa: E402
-from lightning_loaders.testing import check_resume_at_every_step, run_epochs  # noqa: E402
+from lightning_loaders.testing import (  # noqa: E402
+    check_resume_at_every_step,
+    run_epochs,
+    to_plain,
+)
 
 N = 40
 ORDER = np.random.default_rng(0).permutation(N).tolist()  # one fixed index order for both
@@ -184,3 +188,57 @@ def test_epochs_reshuffle_and_a_table_reads_the_same_on_every_run() -> None:
 
     first, second = run_epochs(make(), range(2)), run_epochs(make(), range(2))
     assert first == second and first[0] != first[1]
+
+
+def _parquet(path, first: int) -> str:
+    """A Parquet file of ``N`` rows (ids from ``first`` on) in row groups of 16."""
+    import pyarrow.parquet as pq
+
+    ids = list(range(first, first + N))
+    pq.write_table(pa.table({"id": ids, "name": [f"row{i}" for i in ids]}), str(path),
+                   row_group_size=16)
+    return str(path)
+
+
+def _table_loader(table) -> ResumableLoader:
+    return ResumableLoader(TableDataset(table), batch_size=8, shuffle=True, seed=5)
+
+
+def test_a_state_over_another_table_of_the_same_length_is_refused(tmp_path) -> None:
+    """The fingerprint holds a digest of a few rows: a state saved over one Parquet file is
+    refused over another of as many rows, both identities shown. Read again from its file
+    (as Arrow, through pandas, or with another integer width: the same values), the saving
+    table resumes exactly."""
+    import pyarrow.parquet as pq
+
+    pd = pytest.importorskip("pandas", reason="the file read again through pandas")
+    a, b = _parquet(tmp_path / "a.parquet", 0), _parquet(tmp_path / "b.parquet", 100)
+    saving = _table_loader(pq.read_table(a))
+    next(iter(saving))
+    state = saving.state_dict()
+    with pytest.raises(StateMismatchError, match=r"content: saved 'TableDataset rows \w+', "
+                                                 r"this loader 'TableDataset rows \w+'"):
+        _table_loader(pq.read_table(b)).load_state_dict(state)
+    whole = run_epochs(_table_loader(pq.read_table(a)), [0])[0]
+    narrow = pq.read_table(a).cast(pa.schema([("id", pa.int32()), ("name", pa.string())]))
+    for same in (pq.read_table(a), pd.read_parquet(a), narrow):
+        resumed = _table_loader(same)
+        resumed.load_state_dict(state)
+        assert [to_plain(batch) for batch in resumed] == whole[1:]
+
+
+def test_a_state_saved_without_a_content_identity_still_loads(tmp_path) -> None:
+    """A state of the release before the identity (a fingerprint without ``content``) is
+    checked as it was then, and resumes."""
+    import pyarrow.parquet as pq
+
+    path = _parquet(tmp_path / "a.parquet", 0)
+    whole = run_epochs(_table_loader(pq.read_table(path)), [0])[0]
+    saving = _table_loader(pq.read_table(path))
+    iterator = iter(saving)
+    next(iterator), next(iterator)
+    state = saving.state_dict()
+    del state["fingerprint"]["content"]
+    resumed = _table_loader(pq.read_table(path))
+    resumed.load_state_dict(state)
+    assert [to_plain(batch) for batch in resumed] == whole[2:]

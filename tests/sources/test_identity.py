@@ -1,0 +1,88 @@
+"""``content_identity``: a digest of a few rows for the datasets that can read them cheaply
+(``TableDataset``, Hugging Face ``datasets.Dataset``, a ``Mix`` of them), ``None`` for a plain
+torch dataset, never running user code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pa = pytest.importorskip("pyarrow", reason="the identity reads rows as Arrow")
+datasets = pytest.importorskip("datasets", reason="a map-style datasets.Dataset")
+
+from lightning_loaders import Mix, ResumableLoader, StateMismatchError  # noqa: E402
+from lightning_loaders.sources.identity import content_identity  # noqa: E402
+from lightning_loaders.sources.tables import TableDataset  # noqa: E402
+from tests.conftest import IndexDataset  # noqa: E402
+
+N = 1000
+
+
+def _hf(first: int = 0) -> Any:
+    return datasets.Dataset.from_dict({"id": list(range(first, first + N))})
+
+
+def _boom(batch: dict[str, Any]) -> dict[str, Any]:
+    raise AssertionError("the identity ran the dataset's transform")
+
+
+def test_a_plain_torch_dataset_has_none_and_keeps_the_length_alone() -> None:
+    assert content_identity(IndexDataset(N)) is None
+    loader = ResumableLoader(IndexDataset(N), batch_size=4)
+    assert "content" not in loader.state_dict()["fingerprint"]
+
+
+def test_the_identity_reads_arrow_through_the_indices_and_never_the_transform() -> None:
+    plain = content_identity(_hf())
+    transformed = _hf()
+    transformed.set_transform(_boom)
+    assert content_identity(transformed) == plain
+    assert content_identity(_hf().with_format("torch")) == plain
+    others = {content_identity(_hf(1)), content_identity(_hf().shuffle(seed=0)),
+              content_identity(_hf().select([*range(1, N), 0])),
+              content_identity(_hf().rename_column("id", "other"))}
+    assert plain not in others and len(others) == 4
+
+
+def test_a_change_at_the_first_or_last_row_is_seen() -> None:
+    ids = list(range(N))
+    base = content_identity(TableDataset(pa.table({"id": ids})))
+    assert content_identity(TableDataset(pa.table({"id": [-1, *ids[1:]]}))) != base
+    assert content_identity(TableDataset(pa.table({"id": [*ids[:-1], -1]}))) != base
+    chunked = pa.Table.from_batches(pa.table({"id": ids}).to_batches(max_chunksize=7))
+    assert content_identity(TableDataset(chunked)) == base
+
+
+def test_a_mix_is_identified_by_its_sources_and_refuses_a_state_of_others() -> None:
+    def mixed(first: int) -> Mix:
+        return Mix([_hf(first), _hf(5000)], weights=[1, 1])
+
+    assert content_identity(Mix([IndexDataset(5), IndexDataset(10)], weights=[1, 1])) is None
+    assert content_identity(mixed(0)) == content_identity(mixed(0)) != content_identity(mixed(1))
+    saving = ResumableLoader(mixed(0), batch_size=4, seed=1)
+    next(iter(saving))
+    with pytest.raises(StateMismatchError, match=r"content: saved 'Mix \w+', this loader 'Mix"):
+        ResumableLoader(mixed(1), batch_size=4, seed=1).load_state_dict(saving.state_dict())
+
+
+def test_an_image_stored_as_a_path_counts_by_its_file_name(tmp_path) -> None:
+    """``imagefolder`` stores each image as its absolute path: the same files copied to
+    another directory (a job's local disk) keep the identity; other file names change it."""
+    pytest.importorskip("PIL", reason="datasets' Image feature")
+
+    def images(folder: str, names: list[str]) -> Any:
+        (tmp_path / folder).mkdir(exist_ok=True)
+        for name in names:
+            (tmp_path / folder / name).write_bytes(b"not decoded")
+        paths = [str(tmp_path / folder / name) for name in names]
+        return datasets.Dataset.from_dict({"image": paths}).cast_column("image",
+                                                                        datasets.Image())
+
+    names = [f"img{i}.png" for i in range(10)]
+    copied = images("copy", names)
+    assert copied.with_format("arrow")[:1].to_pylist()[0]["image"]["path"].endswith(
+        "copy/img0.png")
+    assert content_identity(images("data", names)) == content_identity(copied)
+    assert content_identity(images("data", [f"pic{i}.png" for i in range(10)])) != \
+        content_identity(copied)
