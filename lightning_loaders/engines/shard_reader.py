@@ -42,8 +42,9 @@ class SlotReader:
     """Reads one slot's pieces in order, optionally through a shuffle window.
 
     Samples move in chunks (``itertools.islice`` over the shard iterators), so the per-sample
-    cost is the source's own; each chunk is read inside the source's ``reading()`` context for
-    its shard iterator (a plain stream's global-RNG states). A plain dataset is read inside
+    cost is the source's own; each chunk is read inside the context ``open_reading()`` gave
+    with its shard iterator (the shard's own global-RNG states, keyed by ``seed`` and
+    ``epoch``). A plain dataset is read inside
     ``sole_reader()`` (entered once per chunk), so it yields its whole stream whatever it does
     with ``get_worker_info()``.
     A sample that raises is found without a cost per sample read: a chunk keeps the samples
@@ -52,13 +53,15 @@ class SlotReader:
     """
 
     def __init__(self, source: ShardedSource[Any], pieces: tuple[Piece, ...], start: Cursor,
-                 window: int, key: int, generation: int) -> None:
+                 window: int, key: int, generation: int, seed: int, epoch: int) -> None:
         self.generation, self.batch, self.exhausted = generation, start.batches, start.exhausted
         self._source, self._pieces, self._window, self._key = source, pieces, window, key
+        self._seed, self._epoch = seed, epoch
         self._view: Callable[[], AbstractContextManager[Any]] = (
             sole_reader if isinstance(source, PlainStream) else nullcontext)
         self._piece, self._offset, self._state = start.piece, start.offset, start.reader_state
         self._it: Iterator[Any] | None = None
+        self._reads: AbstractContextManager[Any] = nullcontext()  # what ``_it`` is read in
         self._it_position = 0  # the shard position the open iterator yields next
         self._opened_at = 0  # the shard position it was opened at
         self._samples: Iterator[Any] = iter(())  # what is read: ``_it``, or ``_it`` counted
@@ -149,13 +152,14 @@ class SlotReader:
     @contextmanager
     def viewing(self) -> Iterator[None]:
         """The view the reads happen in (``sole_reader()`` for a plain dataset) and the open
-        shard's ``reading()`` context, to enter once around a batch's read and its read-ahead:
-        nested in them, theirs cost nothing."""
+        shard's reading context (``_reading()``), to enter once around a batch's read and its
+        read-ahead: nested in them, theirs cost nothing."""
         with self._view(), self._reading():
             yield
 
     def close(self) -> None:
         iterator, self._it, self._samples = self._it, None, iter(())
+        self._reads = nullcontext()
         close = getattr(iterator, "close", None)
         if callable(close):
             with self._view():
@@ -245,7 +249,8 @@ class SlotReader:
     def _open(self, piece: Piece) -> None:
         """Open ``piece``'s shard at the current offset; a strided piece's iterator is read
         counted (its slices skip other slots' samples: any of them may raise)."""
-        self._it = iter(self._source.open_shard(piece.shard, self._offset, self._state))
+        self._it, self._reads = self._source.open_reading(piece.shard, self._offset, self._state,
+                                                          self._seed, self._epoch)
         self._it_position, self._opened_at, self._state = self._offset, self._offset, None
         self._samples, self._counter = self._it, None
         if piece.step > 1:
@@ -255,8 +260,9 @@ class SlotReader:
             self.head = self._source.opened_head
 
     def _reading(self) -> AbstractContextManager[Any]:
-        """The source's ``reading()`` context for the open shard iterator (nothing if none)."""
-        return nullcontext() if self._it is None else self._source.reading(self._it)
+        """The context the open shard iterator is read in (``open_reading``; nothing if
+        none)."""
+        return self._reads
 
     def _note_raised(self, shard: int, position: int) -> None:
         """Note the sample of ``shard`` that raised: ``position`` (the one after those read)
@@ -441,7 +447,8 @@ class SlotFetcher(Dataset[Any]):
         piece, offset = locate(pieces, window_start)
         cursor = Cursor(0, start, window_start, piece, offset, None, False)
         key = mix64(config.seed, request.epoch, partition, _PARTITION_SALT)
-        return SlotReader(self.source, pieces, cursor, self.window, key, request.generation)
+        return SlotReader(self.source, pieces, cursor, self.window, key, request.generation,
+                          config.seed, request.epoch)
 
     def _reader(self, request: SlotRequest) -> SlotReader:
         reader = self._readers.get(request.slot)
@@ -455,7 +462,8 @@ class SlotFetcher(Dataset[Any]):
         layout = plan_epoch(self.config, request.epoch, request.world_size, self.slots)
         key = mix64(self.config.seed, request.epoch, request.rank, request.slot, _WINDOW_SALT)
         reader = SlotReader(self.source, layout.pieces[request.rank][request.slot],
-                            request.start, self.window, key, request.generation)
+                            request.start, self.window, key, request.generation,
+                            self.config.seed, request.epoch)
         while reader.batch < request.batch and not reader.exhausted:  # a request routed here
             sizes = layout.sizes[request.rank][request.slot] if layout.sizes else None
             size = sizes[reader.batch] if sizes else self.config.batch_size

@@ -104,6 +104,7 @@ class HFSource(ShardedSource[Any]):
         self._settings = [_settings(step) for step in steps]
         self.seekable = not any(type(step).__name__ == "BufferShuffledExamplesIterable"
                                 for step in steps)
+        self.rng_free = not any(map(_runs_user_code, steps))
         self._epoch = 0
         self._lengths = self._resolve_lengths(lengths)
 
@@ -320,6 +321,15 @@ def _steps(ex_iterable: Any) -> list[Any]:
         if inner is not None:
             stack.append(inner)
     return out
+
+
+def _runs_user_code(step: Any) -> bool:
+    """Whether a pipeline step calls a function of the user's (``map``, ``filter``,
+    ``from_generator``'s generator), which may draw from the global RNGs."""
+    generate = getattr(step, "generate_examples_fn", None)
+    builder = type(getattr(generate, "__self__", None))
+    return (getattr(step, "function", None) is not None
+            or builder.__module__.startswith("datasets.packaged_modules.generator"))
 
 
 def _describe(step: Any) -> str:

@@ -35,6 +35,7 @@ class _ColumnarFiles(ShardedSource[dict[str, Any]]):
     """Columnar files cut into pieces (row groups, record batches): one shard per piece."""
 
     suffixes: tuple[str, ...] = ()
+    rng_free = True  # no code of the user's runs
     piece_name = "piece"  # what a shard of a file is (a Parquet row group, an Arrow batch)
 
     def __init__(self, paths: Paths, columns: Sequence[str] | None = None, *,

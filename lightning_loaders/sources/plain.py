@@ -11,7 +11,7 @@ Datasets that split by rank from their own configuration (HF ``split_dataset_by_
 WebDataset ``split_by_node`` stage) cannot be undone by a view and are refused with the fix.
 Shuffles seeded per process would make every slot's stream another: the stream reads under
 global RNGs of its own, seeded from the loader's seed and the epoch when it opens and carried
-from read to read (``_StreamRngs``), a WebDataset's own shuffles are seeded from them too, and
+from read to read (``sources.rngs``), a WebDataset's own shuffles are seeded from them too, and
 a Hugging Face ``shuffle()`` without a seed is refused.
 """
 
@@ -21,8 +21,8 @@ import hashlib
 import itertools
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -30,15 +30,9 @@ import torch
 from torch.utils.data import IterableDataset
 from torch.utils.data._utils import worker as torch_worker
 
-from lightning_loaders.context import (
-    RngStates,
-    global_rng_states,
-    reseeder,
-    seeded_global_rngs,
-    set_global_rng_states,
-)
 from lightning_loaders.hashing import mix64
 from lightning_loaders.sources.hf import refuse_unseeded_shuffle
+from lightning_loaders.sources.rngs import ReadRngs, opened_under
 from lightning_loaders.sources.shards import ShardedSource
 
 __all__ = ["PlainStream", "refuse_rank_split", "sole_reader"]
@@ -54,16 +48,6 @@ _DIGEST_SAMPLES = 8
 _END = object()  # what no stream yields: ``_taken``'s sentinel
 _OPEN_TAG = 0x0BE5  # keys the RNGs a plain stream is opened with
 _SHUFFLE_TAG = 0x5EED  # keys the seeds of a WebDataset's own shuffles
-_RNG_LOCK = threading.RLock()  # held while a stream's RNG states are in place (threads share them)
-
-
-def _new_rng_lock() -> None:
-    """In a forked child, where the thread that held the lock may not exist: a free one."""
-    global _RNG_LOCK
-    _RNG_LOCK = threading.RLock()
-
-
-os.register_at_fork(after_in_child=_new_rng_lock)
 
 
 @contextmanager
@@ -203,7 +187,7 @@ class PlainStream(ShardedSource[Any]):
 
     Every slot iterates the whole dataset (read inside ``sole_reader()``, so a dataset that
     splits itself by worker or by the ``RANK`` environment still yields all of it, and inside
-    ``reading()``, under the global-RNG states of its own stream) and keeps its share;
+    ``open_reading()``, under the global-RNG states of its own stream) and keeps its share;
     ``start`` is reached by skipping. ``set_epoch`` is forwarded, so a dataset that
     reshuffles per epoch (HF reorders its shards) stays the same stream in every process of
     that epoch. The dataset's
@@ -233,30 +217,30 @@ class PlainStream(ShardedSource[Any]):
 
     def open_shard(self, index: int, start: int = 0,
                    state: Mapping[str, Any] | None = None) -> Iterator[Any]:
-        """The stream from sample ``start`` on; read it inside ``sole_reader()`` and
-        ``reading()``."""
-        stream, rngs = self._opened()
-        shard = _Stream(stream, start, None)
-        shard.rngs = rngs
-        return shard
+        """The stream from sample ``start`` on, read under the global RNGs as they are (the
+        loader reads it through ``open_reading``); read it inside ``sole_reader()``."""
+        return itertools.islice(self._opened(self.seed, self._epoch)[0], start, None)
 
-    def reading(self, shard: Iterator[Any]) -> AbstractContextManager[Any]:
-        """The global-RNG states of ``shard``'s stream, put in place (``_StreamRngs``)."""
-        assert isinstance(shard, _Stream)
-        return shard.rngs
+    def open_reading(self, index: int, start: int, state: Mapping[str, Any] | None,
+                     seed: int, epoch: int) -> tuple[Iterator[Any], ReadRngs]:
+        """The stream from sample ``start`` on (``islice``'s ``next()``, at C speed) and the
+        global-RNG states it reads under; read it inside ``sole_reader()``."""
+        stream, rngs = self._opened(seed, epoch)
+        return itertools.islice(stream, start, None), rngs
 
-    def _opened(self) -> tuple[Iterator[Any], _StreamRngs]:
+    def _opened(self, seed: int, epoch: int) -> tuple[Iterator[Any], ReadRngs]:
         """``iter(dataset)``, opened (up to its first sample, where a generator's body starts)
         with the global RNGs seeded from the seed and the epoch alone, and the RNG states the
         rest of it reads under: a dataset that draws from them (``random.shuffle`` of its
         files as it opens, a shuffle buffer as it goes) is then the same stream in every slot,
         rank and resume of the epoch, where the RNGs of each batch's fetch (seeded per slot
         and batch) would make every slot's stream another."""
-        with _RNG_LOCK, seeded_global_rngs(_OPEN_TAG, self.seed, self._epoch):
-            _seed_webdataset_shuffles(self.dataset, self.seed, self._epoch)
+        def open_stream() -> tuple[Iterator[Any], list[Any]]:
+            _seed_webdataset_shuffles(self.dataset, seed, epoch)
             stream = iter(self.dataset)
-            head = list(itertools.islice(_taken(stream), 1))
-            rngs = _StreamRngs(global_rng_states())
+            return stream, list(itertools.islice(_taken(stream), 1))
+
+        (stream, head), rngs = opened_under(open_stream, _OPEN_TAG, seed, epoch)
         self.opened_head = _digest(head)
         return _chained(head, stream), rngs
 
@@ -286,7 +270,7 @@ class PlainStream(ShardedSource[Any]):
         tensors, and lists and dicts of them) counts; other objects count by type name, so
         the digest never differs by memory addresses or hash seeds."""
         with sole_reader():
-            iterator, rngs = self._opened()
+            iterator, rngs = self._opened(self.seed, self._epoch)
             try:
                 with rngs:
                     return _digest(itertools.islice(iterator, _DIGEST_SAMPLES))
@@ -300,62 +284,6 @@ class PlainStream(ShardedSource[Any]):
         lengths = self.shard_lengths
         size = lengths[0] if lengths is not None else "unknown length"
         return f"{type(self.dataset).__name__}:{size}"
-
-
-class _StreamRngs:
-    """The global RNGs' states (``random``, numpy, torch) one opened stream reads under,
-    carried from read to read, so a dataset drawing from them while it iterates (a shuffle
-    buffer) reads one stream in every slot, rank and resume, whatever each batch's fetch
-    seeded them with.
-
-    Entered around each batch's read (saving numpy's state costs tens of microseconds, too
-    much per sample; entered again inside, it costs nothing), it puts the stream's states in
-    place and the caller's back afterwards, so what the fetch draws itself (a ``collate_fn``)
-    does not move with the stream's draws either: inside a fetch, which seeded them and drew
-    nothing before the read, by seeding them again (``reseeder``), else as they were. Worker
-    threads share the global RNGs: the states stay in place under a process-wide lock, so
-    threads read their streams one at a time.
-    """
-
-    def __init__(self, states: RngStates) -> None:
-        self._states = states
-        self._saved: RngStates | None = None
-        self._reseed: Callable[[], None] | None = None
-        self._depth = 0  # entered inside itself (a batch's read, then a chunk of it)
-
-    def __enter__(self) -> None:
-        if self._depth == 0:
-            _RNG_LOCK.acquire()
-            try:
-                self._reseed = reseeder()
-                self._saved = global_rng_states() if self._reseed is None else None
-                set_global_rng_states(self._states)
-            except BaseException:
-                _RNG_LOCK.release()
-                raise
-        self._depth += 1
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._depth -= 1
-        if self._depth:
-            return
-        try:
-            self._states = global_rng_states()
-            if self._reseed is not None:
-                self._reseed()
-            else:
-                assert self._saved is not None
-                set_global_rng_states(self._saved)
-        finally:
-            self._saved, self._reseed = None, None
-            _RNG_LOCK.release()
-
-
-class _Stream(itertools.islice):
-    """A stream from a sample on (``islice``'s ``next()``, at C speed) and ``rngs``, the RNG
-    states it reads under."""
-
-    rngs: _StreamRngs
 
 
 def _taken(stream: Iterator[Any]) -> Iterator[Any]:
