@@ -168,11 +168,8 @@ class ResumableIterableLoader(ResumableLoader):
             unbatched = _Unbatched(unbatched_conversion(options))
             options = replace(options, batch_size=1, collate_fn=unbatched)
         self.last_batch: LastBatch = resolve_last_batch(options.last_batch, options.drop_last)
-        plain = None if isinstance(dataset, ShardedSource) else (
-            "a plain IterableDataset's stream is opened under the global RNGs and the "
-            "environment (RANK, WORLD_SIZE), which threads share with the training loop")
         self._take_options(dataset, options, drop_last=self.last_batch == "drop",
-                           process_wide=plain)
+                           process_wide=_process_wide(dataset))
         shuffle, shuffle_buffer = options.shuffle, options.shuffle_buffer
         if options.on_error != "raise":
             raise ValueError(f"on_error={options.on_error!r} is not supported for iterable "
@@ -477,3 +474,18 @@ def _check_lengths(source: ShardedSource[Any], planned: tuple[int, ...] | None) 
             f"the {name}'s {what} since the loader was built: an iterable "
             "dataset's epochs are planned from its lengths once. Build a new loader for the "
             "new data (map-style datasets follow a changed len() between epochs)")
+
+
+def _process_wide(dataset: Any) -> str | None:
+    """What reading ``dataset`` sets up in state the whole process shares, which threads would
+    take turns at (``None``: nothing): the global RNGs and environment a plain stream is opened
+    under, the global-RNG states of their own a source's shards are read under (unless it is
+    ``rng_free``)."""
+    if not isinstance(dataset, ShardedSource):
+        return ("a plain IterableDataset's stream is opened under the global RNGs and the "
+                "environment (RANK, WORLD_SIZE), which threads share with the training loop")
+    if not dataset.rng_free:
+        return (f"{type(dataset).__name__} reads each shard under global RNG states of its own "
+                "(it is not rng_free), which threads share: they would read one at a time")
+    return None
+

@@ -96,10 +96,10 @@ class ResumableLoader(WorkerLoader):
             min(num_workers, cores) + crossing`` (``engines.threads.choose_backend``), else
             the loader switches to processes at the next batch, from the cursor (a dataset
             that cannot be pickled stays on threads; with a ``worker_init_fn`` or a plain
-            ``IterableDataset``, whose per-worker state threads would share, it takes
-            processes at once); ``backend_in_use`` says which runs. The stream,
-            ``sample_rng()`` and the state are the same for every backend (a state saved
-            under one resumes under another). Under threads,
+            ``IterableDataset`` or a source that is not ``rng_free``, whose per-worker state
+            threads would share, it takes processes at once); ``backend_in_use`` says which
+            runs. The stream, ``sample_rng()`` and the state are the same for every backend
+            (a state saved under one resumes under another). Under threads,
             ``worker_info()`` is the thread's and ``torch.utils.data.get_worker_info()`` is
             ``None`` (as in the main process); the global ``random``/numpy/torch RNGs are
             shared and left unseeded (draw per-sample randomness from ``sample_rng()``);

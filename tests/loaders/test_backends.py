@@ -19,7 +19,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from lightning_loaders import AutotuneConfig, ResumableLoader, sample_rng, worker_info
 from lightning_loaders.engines import threads
 from lightning_loaders.errors import SampleFetchError, WorkerTimeoutError
-from lightning_loaders.sources.shards import SequenceSource
+from lightning_loaders.sources.shards import GeneratorSource, SequenceSource
 from lightning_loaders.testing import check_resume_at_every_step, run_epochs, to_plain
 from tests.conftest import loader_processes
 from tests.lightning_harness import check_trainer_resume
@@ -657,6 +657,23 @@ def test_auto_starts_on_processes_where_threads_would_share_what_workers_own() -
     plain = ResumableLoader(_Locked(), batch_size=2, num_workers=2, backend="auto")
     assert plain.backend_in_use == "process"
     assert sorted(i for batch in plain for i in batch.tolist()) == list(range(8))
+
+
+def _shard(shard: int) -> list[int]:
+    return list(range(10 * shard, 10 * shard + 10))
+
+
+@pytest.mark.parametrize("rng_free", [False, True])
+def test_auto_takes_processes_for_a_source_whose_shards_read_under_rng_states_of_their_own(
+        rng_free: bool) -> None:
+    """A source that is not ``rng_free`` reads each shard under global-RNG states of its own,
+    which threads would take turns at: ``auto`` takes processes for it at once, and probes
+    threads only for a source that declares it never draws."""
+    source = GeneratorSource(_shard, range(4), lengths=[10] * 4, rng_free=rng_free)
+    loader = ResumableLoader(source, batch_size=2, num_workers=2, backend="auto")
+    assert (loader.backend_in_use == "process") is not rng_free  # chosen before the probe
+    assert sorted(i for batch in loader for i in batch.tolist()) == list(range(40))
+    loader.close()
 
 
 @pytest.mark.parametrize("backend", ["process", "thread"])
