@@ -479,13 +479,14 @@ def _check_lengths(source: ShardedSource[Any], planned: tuple[int, ...] | None) 
 def _process_wide(dataset: Any) -> str | None:
     """What reading ``dataset`` sets up in state the whole process shares, which threads would
     take turns at (``None``: nothing): the global RNGs and environment a plain stream is opened
-    under, the global-RNG states of their own a source's shards are read under (unless it is
-    ``rng_free``)."""
+    under, the global-RNG states of their own a source's shards are read under
+    (``ShardedSource.own_rngs``)."""
     if not isinstance(dataset, ShardedSource):
         return ("a plain IterableDataset's stream is opened under the global RNGs and the "
                 "environment (RANK, WORLD_SIZE), which threads share with the training loop")
-    if not dataset.rng_free:
+    if dataset.own_rngs:
         return (f"{type(dataset).__name__} reads each shard under global RNG states of its own "
-                "(it is not rng_free), which threads share: they would read one at a time")
+                "(neither rng_free nor seeks), which threads share: they would read one at a "
+                "time")
     return None
 

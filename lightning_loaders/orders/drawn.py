@@ -100,8 +100,8 @@ class DrawnOrder:
         set_epoch = getattr(self.sampler, "set_epoch", None)
         if not self._declared or not callable(set_epoch):
             return len(self)
-        with _epoch_kept(self.sampler):
-            set_epoch(epoch)
+        with _seeded(self.sampler, self.seed, epoch), _epoch_kept(self.sampler):
+            set_epoch(epoch)  # as the draw calls it: what it draws leaves no trace
             length = _declared_length(self.sampler)
         return len(self) if length is None else length
 

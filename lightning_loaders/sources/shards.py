@@ -15,15 +15,19 @@ loader saves it with the position and hands it back as ``state`` together with t
 ``start``, so ``open_shard`` can seek instead of skipping ``start`` samples.
 
 A shard may draw from the global ``random``, numpy and torch RNGs as it opens (a shuffle of
-its rows) or as it is read (an augmentation): the loader opens every shard with them seeded
-from ``(seed, epoch, shard index)`` and reads it under states of its own, carried from read to
-read, so a shard split between two slots is one permutation, in any worker count or backend.
-Reopened at ``start`` (a resume, a worker restart, a change of ``num_workers``), it draws as
-it did only where ``open_shard`` reads its first ``start`` samples and drops them, as
-``GeneratorSource`` does by default: a seek (``GeneratorSource(seekable=True)``, a saved
-``state``) skips their draws, so draws that depend on how far the shard was read come out
-otherwise after it (draws at the open, before the seek, are exact). Sources that never draw
-say so with ``rng_free``.
+its rows) or as it is read (an augmentation). Every batch's read runs under the RNGs seeded for
+that batch, which makes a draw per sample the same for every worker count and resume; but a
+shard split between two slots is opened in two batches, so a shuffle of its rows drawn there
+would be two permutations. So a source that reaches ``start`` by reading and dropping the
+samples before it (``GeneratorSource`` by default, Hugging Face streams) is opened with the RNGs
+seeded from ``(seed, epoch, shard index)`` and read under states of its own, carried from read
+to read: what it draws is a function of the shard and of how far it was read, so it is one
+stream wherever it is read and after any resume. A source that ``seeks`` (a byte offset, an
+index: the file sources, ``SequenceSource``, ``GeneratorSource(seekable=True)``) skips the draws
+of the samples before ``start``, so carried states would not come back after a resume: it is
+read under each batch's seeding, and the order of its rows must not come from the global RNGs
+(derive it from the shard: a seekable ``fn`` must find ``start`` in it anyway). Sources that
+never draw say so with ``rng_free`` and are read under each batch's seeding too.
 
 Ready sources: ``RecordFiles`` (length-prefixed binary records, see ``write_records``),
 ``LineFiles`` (text lines), ``SequenceSource`` (in-memory sequences) and ``GeneratorSource`` (a
@@ -42,8 +46,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import IO, Any, Literal, TypeVar
 
-import numpy as np
-import torch
 from torch.utils.data import IterableDataset
 
 from lightning_loaders.hashing import digest
@@ -65,7 +67,6 @@ Lengths = Sequence[int] | Literal["scan"] | None
 
 _HEADER = struct.Struct("<I")  # a record's payload length, little-endian uint32
 _SHARD_TAG = 0x5A4D  # keys the global RNGs a shard is opened and read under
-_CONTAINERS = (list, tuple, range, str, bytes, np.ndarray, torch.Tensor)  # no code of users'
 
 
 class ShardedSource(IterableDataset[T]):
@@ -78,6 +79,18 @@ class ShardedSource(IterableDataset[T]):
     CPU per batch (numpy's state is most of it). Leave it ``False`` for a source that draws
     (a shuffle of a shard's rows, an augmentation): every shard then draws the same wherever
     it is read."""
+
+    seeks: bool = False
+    """Whether ``open_shard(index, start, state)`` reaches ``start`` without reading the samples
+    before it (a byte offset, an index), so their draws are not made again: its shards are read
+    under each batch's seeding of the global RNGs, which per-sample draws need to be exact
+    across resumes, and never under states of their own (module docstring)."""
+
+    @property
+    def own_rngs(self) -> bool:
+        """Whether its shards are read under global-RNG states of their own (``open_reading``):
+        neither ``rng_free`` nor ``seeks``."""
+        return not (self.rng_free or self.seeks)
 
     @property
     @abstractmethod
@@ -104,12 +117,12 @@ class ShardedSource(IterableDataset[T]):
         run inside: around a batch's read and, nested in it, each chunk of it, never per
         sample.
 
-        Unless the source is ``rng_free``, the shard is opened with the global RNGs seeded
-        from ``(seed, epoch, index)`` and read under states of its own carried from read to
-        read (``ReadRngs``), so what it draws from them depends on the shard and how far it
-        was read, never on the slot, the worker count, the backend or a resume.
+        Unless the source is ``rng_free`` or ``seeks``, the shard is opened with the global
+        RNGs seeded from ``(seed, epoch, index)`` and read under states of its own carried
+        from read to read (``ReadRngs``), so what it draws from them depends on the shard and
+        how far it was read, never on the slot, the worker count, the backend or a resume.
         """
-        if self.rng_free:
+        if not self.own_rngs:
             return iter(self.open_shard(index, start, state)), nullcontext()
         return opened_under(lambda: iter(self.open_shard(index, start, state)),
                             _SHARD_TAG, seed, epoch, index)
@@ -141,12 +154,12 @@ class ShardedSource(IterableDataset[T]):
 class SequenceSource(ShardedSource[T]):
     """In-memory sequences (lists, arrays, tensors, map-style datasets), one per shard."""
 
+    seeks = True  # indexed from ``start``
+
     def __init__(self, sequences: Sequence[Sequence[T]]) -> None:
         if len(sequences) == 0:
             raise ValueError("SequenceSource needs at least one sequence")
         self.sequences = list(sequences)
-        # a map-style dataset's __getitem__ may draw; plain containers do not
-        self.rng_free = all(isinstance(sequence, _CONTAINERS) for sequence in self.sequences)
 
     @property
     def shards(self) -> Sequence[Sequence[T]]:
@@ -172,10 +185,11 @@ class GeneratorSource(ShardedSource[T]):
             and skipped on resume.
         shards: the shard descriptors passed to ``fn`` (paths, ranges, seeds, ...).
         lengths: samples per shard, if known.
-        seekable: whether ``fn`` accepts a start position. A seek skips the draws from the
-            global RNGs of the samples before ``start``: what ``fn`` draws per sample comes
-            out otherwise after a resume (what it draws before it seeks, a shuffle of the
-            shard, is exact); without it they are read, and drawn, again.
+        seekable: whether ``fn`` accepts a start position. Its shards are then read under
+            each batch's seeding of the global RNGs (``ShardedSource.seeks``), so its order
+            must not come from them (shuffle with ``random.Random(shard)``); without it the
+            first ``start`` samples are read, and drawn, again, and its shards read under
+            global-RNG states of their own.
         rng_free: ``True`` when ``fn`` never draws from the global ``random``, numpy and
             torch RNGs: its shards are then read without RNG states of their own, about
             100 us less per batch (see ``ShardedSource.rng_free``).
@@ -190,7 +204,7 @@ class GeneratorSource(ShardedSource[T]):
         self.fn = fn
         self._shards = list(shards)
         self._lengths = checked_lengths(lengths, len(self._shards))
-        self.seekable = seekable
+        self.seekable = self.seeks = seekable
         self.rng_free = rng_free
         if not self._shards:
             raise ValueError("GeneratorSource needs at least one shard")
@@ -218,6 +232,8 @@ class GeneratorSource(ShardedSource[T]):
 class _FileShards(ShardedSource[T]):
     """Files as shards; subclasses say how one file is cut into samples."""
 
+    seeks = True  # to a saved byte offset, or past records skipped undecoded
+
     def __init__(self, paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
                  lengths: Lengths = None, decode: Callable[[Any], T] | None = None) -> None:
         listed = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
@@ -230,7 +246,6 @@ class _FileShards(ShardedSource[T]):
         if decode is not None and not callable(decode):
             raise TypeError(f"decode must be callable, got {type(decode).__name__}")
         self.decode = decode
-        self.rng_free = decode is None  # a decode may draw (an augmentation)
         if lengths == "scan":
             self._lengths: list[int] | None = [self._count(path) for path in self.paths]
         else:

@@ -79,6 +79,8 @@ class WebDatasetSource(ShardedSource[Any]):
             and the loader then saves each reader's byte offset in its state).
     """
 
+    seeks = True  # to a saved byte offset, or past samples skipped undecoded
+
     def __init__(self, urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
                  decode: Decode = None,
                  lengths: Sequence[int] | Literal["scan"] | None = "scan") -> None:
@@ -89,7 +91,6 @@ class WebDatasetSource(ShardedSource[Any]):
         if missing:
             raise FileNotFoundError(f"WebDatasetSource: no such tar file(s): {missing[:5]}")
         self.decode = _decoder(decode)
-        self.rng_free = _rng_free(decode)
         if lengths == "scan":
             self._lengths: list[int] | None = _count_all(self.paths)
         else:
@@ -391,14 +392,6 @@ def _local_path(url: str) -> str:
             f"to resume), got the remote URL {url!r}: download the shards or mount their "
             "storage as a file system, and pass the local paths")
     return parsed.path if parsed.scheme else url
-
-
-def _rng_free(decode: Decode) -> bool:
-    """Whether ``decode`` runs no code of the user's, which may draw from the global RNGs
-    (WebDataset's handlers named by strings, ``decode_basic``, nothing)."""
-    if decode is None or decode is decode_basic or isinstance(decode, str):
-        return True
-    return not callable(decode) and all(isinstance(handler, str) for handler in decode)
 
 
 def _decoder(decode: Decode) -> Callable[[dict[str, Any]], Any] | None:

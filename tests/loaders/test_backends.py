@@ -666,9 +666,9 @@ def _shard(shard: int) -> list[int]:
 @pytest.mark.parametrize("rng_free", [False, True])
 def test_auto_takes_processes_for_a_source_whose_shards_read_under_rng_states_of_their_own(
         rng_free: bool) -> None:
-    """A source that is not ``rng_free`` reads each shard under global-RNG states of its own,
-    which threads would take turns at: ``auto`` takes processes for it at once, and probes
-    threads only for a source that declares it never draws."""
+    """A source with ``own_rngs`` reads each shard under global-RNG states of its own, which
+    threads would take turns at: ``auto`` takes processes for it at once, and probes threads
+    only for a source that declares it never draws (or that seeks)."""
     source = GeneratorSource(_shard, range(4), lengths=[10] * 4, rng_free=rng_free)
     loader = ResumableLoader(source, batch_size=2, num_workers=2, backend="auto")
     assert (loader.backend_in_use == "process") is not rng_free  # chosen before the probe

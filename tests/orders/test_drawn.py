@@ -1,6 +1,7 @@
 import os
 import random
 import warnings
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -254,6 +255,36 @@ def test_every_rank_plans_a_growing_epoch_alike_and_reads_its_share() -> None:
     assert [len(epoch) for epoch in ranks[0]] == [len(epoch) for epoch in ranks[1]] == [3, 4, 5]
     read = [sorted(i for rank in ranks for b in rank[epoch] for i in b) for epoch in range(3)]
     assert read == curriculum_epochs(3)
+
+
+class _RandomSubset(Sampler[int]):
+    """Each epoch a random half of the dataset, chosen with numpy's global RNG in
+    ``set_epoch``."""
+
+    def __init__(self) -> None:
+        self.epoch, self.subset = 0, list(range(N // 2))
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.subset = np.random.choice(N, N // 2, replace=False).tolist()
+
+    def __len__(self) -> int:
+        return len(self.subset)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.subset)
+
+
+def test_an_epochs_length_leaves_the_callers_rngs_as_they_were() -> None:
+    """``len()`` calls the sampler's ``set_epoch`` to learn an epoch's length: under the
+    draw's seeding, so a ``set_epoch`` drawing from the global RNGs moves nothing of the
+    training loop's."""
+    loader = ResumableLoader(IndexDataset(N), sampler=_RandomSubset(), batch_size=4, seed=0)
+    np.random.seed(0)
+    untouched = np.random.rand()
+    np.random.seed(0)
+    assert [len(loader) for _ in range(3)] == [3, 3, 3]
+    assert np.random.rand() == untouched
 
 
 def test_rollover_over_a_len_that_follows_set_epoch_is_refused() -> None:

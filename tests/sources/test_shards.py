@@ -226,12 +226,6 @@ def _shuffled_rows(shard: int) -> Iterator[dict[str, int]]:
                "numpy": int(np.random.randint(2**30)), "torch": int(torch.randint(2**30, ()))}
 
 
-def _shuffled_then_seeked(shard: int, start: int) -> Iterator[int]:
-    """Seekable: the shard's rows shuffled with numpy as it opens, from ``start`` on."""
-    rows = np.random.permutation(RNG_LENGTHS[shard]) + shard * 100
-    yield from rows[start:].tolist()
-
-
 class _EagerlyShuffled(ShardedSource[int]):
     """A source of the user's own that shuffles with torch in ``open_shard`` itself, before
     any sample is read."""
@@ -252,8 +246,6 @@ class _EagerlyShuffled(ShardedSource[int]):
 
 RNG_SOURCES = {
     "generator": lambda: GeneratorSource(_shuffled_rows, [0, 1, 2], lengths=RNG_LENGTHS),
-    "seekable": lambda: GeneratorSource(_shuffled_then_seeked, [0, 1, 2], lengths=RNG_LENGTHS,
-                                        seekable=True),
     "subclass": _EagerlyShuffled,
 }
 
@@ -308,24 +300,65 @@ def test_shards_drawing_from_the_global_rngs_read_the_same_in_every_slot(name,
 def test_a_resume_under_another_num_workers_draws_what_the_shards_drew(name, first, then) -> None:
     """A resumed shard is opened at its position: a generator reads and drops the samples
     before it under the shard's own RNG states, so its draws (the shuffle as it opens, the
-    samples' own) come out as in the uninterrupted run; a seekable one skips them, and its
-    shuffle at the open is still the same. Resumed through a shuffle window too, under
-    another ``num_workers`` (threads: they start fast)."""
+    samples' own) come out as in the uninterrupted run. Resumed through a shuffle window too,
+    under another ``num_workers`` (threads: they start fast)."""
     workers = itertools.chain([first], itertools.repeat(then))
     backend = "thread" if then else "process"
     check_resume_at_every_step(lambda: _rng_loader(name, next(workers), backend, 5), epochs=2,
                                key=list)
 
 
-def test_only_sources_running_no_code_of_the_users_skip_the_rng_states(tmp_path: Path) -> None:
-    """A source whose reads may draw (a generator, a decode, a map-style dataset, a subclass)
-    reads under RNG states of its own; plain files and containers opt out (``rng_free``)."""
+def _augment(record: bytes | int) -> tuple[int, int, int, int]:
+    """A sample and its draws from the three global RNGs (an augmentation)."""
+    return (int(record), random.getrandbits(30), int(np.random.randint(2**30)),
+            int(torch.randint(2**30, ())))
+
+
+def _augmented(shard: int, start: int = 0) -> Iterator[tuple[int, int, int, int]]:
+    """Seekable: a shard's rows in order from ``start``, augmented."""
+    return map(_augment, range(shard * 100 + start, shard * 100 + RNG_LENGTHS[shard]))
+
+
+SEEKING_SOURCES = {
+    "seekable": lambda _: GeneratorSource(_augmented, [0, 1, 2], lengths=RNG_LENGTHS,
+                                          seekable=True),
+    "records": lambda paths: RecordFiles(paths, lengths="scan", decode=_augment),
+}
+
+
+@pytest.mark.parametrize("name", list(SEEKING_SOURCES))
+@pytest.mark.parametrize(("first", "then"), [(2, 0), (0, 2)])
+def test_a_seeking_source_draws_per_sample_under_each_batchs_seeding(tmp_path: Path, name,
+                                                                     first, then) -> None:
+    """A source that seeks to a resumed position skips the draws of the samples before it, so
+    states of its own would come back otherwise after a resume (a decode's augmentation changed
+    from the first resumed batch on): it reads under each batch's seeding, the same draws for
+    every ``num_workers`` and resume."""
+    paths = [tmp_path / f"{shard}.rec" for shard in range(3)]
+    for shard, path in enumerate(paths):
+        write_records(path, (str(shard * 100 + row).encode() for row in range(RNG_LENGTHS[shard])))
+    workers = itertools.chain([first], itertools.repeat(then))
+
+    def make() -> ResumableLoader:
+        return ResumableLoader(SEEKING_SOURCES[name](paths), batch_size=4, shuffle=True, seed=1,
+                               num_workers=next(workers), collate_fn=list)
+
+    full = check_resume_at_every_step(make, epochs=2, key=list)
+    assert len({draw for epoch in full for batch in epoch for sample in batch
+                for draw in sample[1:]}) == 3 * sum(RNG_LENGTHS) * 2  # all drawn, none repeated
+
+
+def test_sources_that_seek_or_never_draw_read_under_each_batchs_seeding(tmp_path: Path) -> None:
+    """A source whose reads may draw and that reaches a position by reading (a generator, a
+    subclass) reads under RNG states of its own; one that seeks (files, containers, a seekable
+    generator) or never draws (``rng_free``) reads under each batch's seeding."""
     paths = _records(tmp_path, [3])
-    assert RecordFiles(paths).rng_free and LineFiles(_lines(tmp_path, [2])).rng_free
-    assert SequenceSource([[1, 2], np.arange(3), torch.arange(2)]).rng_free
-    for source in (RecordFiles(paths, decode=bytes.decode), SequenceSource([_Squares()]),
-                   GeneratorSource(_generate, [3]), _EagerlyShuffled()):
-        assert not source.rng_free, type(source).__name__
+    seeking = [RecordFiles(paths, decode=bytes.decode), LineFiles(_lines(tmp_path, [2])),
+               SequenceSource([_Squares()]), GeneratorSource(_generate, [3], seekable=True)]
+    assert all(source.seeks for source in seeking)
+    assert GeneratorSource(_generate, [3], rng_free=True).rng_free
+    for source in (GeneratorSource(_generate, [3]), _EagerlyShuffled()):
+        assert not (source.seeks or source.rng_free), type(source).__name__
 
 
 class _Squares(torch.utils.data.Dataset[int]):
