@@ -485,8 +485,8 @@ def _process_wide(dataset: Any) -> str | None:
         return ("a plain IterableDataset's stream is opened under the global RNGs and the "
                 "environment (RANK, WORLD_SIZE), which threads share with the training loop")
     if dataset.own_rngs:
-        return (f"{type(dataset).__name__} reads each shard under global RNG states of its own "
-                "(neither rng_free nor seeks), which threads share: they would read one at a "
-                "time")
+        return (f"{type(dataset).__name__} reads each shard under global-RNG states of its "
+                "own (it is neither rng_free, which a source that never draws from them may "
+                "set, nor seeks), which threads share")
     return None
 

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -114,6 +115,13 @@ class WorkerLoader(DeliveryCore):
                 if shared is not None:
                     _log.info("backend='auto' chose process workers: %s", shared)
                     self._auto = AutoChoice(max(1, num_workers), backend="process")
+        threads = o.backend == "thread" or (self._auto is not None
+                                            and self._auto.backend == "thread")
+        if process_wide is not None and threads and (num_workers > 0 or tuned is not None):
+            warnings.warn(
+                f"worker threads: {process_wide}: they read one at a time, and what the "
+                "training loop draws from random/numpy/torch while a thread reads comes from "
+                "the reader's states and is lost; use backend='process'", stacklevel=4)
         self.dataset = dataset
         self.batch_size: int = o.batch_size
         self.batch_sampler: Any = None  # DataLoader's attribute (Lightning reads it)

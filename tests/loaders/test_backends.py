@@ -9,6 +9,8 @@ import os
 import random
 import threading
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -674,6 +676,28 @@ def test_auto_takes_processes_for_a_source_whose_shards_read_under_rng_states_of
     assert (loader.backend_in_use == "process") is not rng_free  # chosen before the probe
     assert sorted(i for batch in loader for i in batch.tolist()) == list(range(40))
     loader.close()
+
+
+class _Stream(IterableDataset[int]):
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(8))
+
+
+def test_threads_over_data_read_under_rng_states_of_its_own_are_warned_about() -> None:
+    """Threads share the global RNGs with the training loop: a plain stream or a source that
+    reads under RNG states of its own takes them while a thread reads (one at a time), so the
+    training loop's draws meanwhile are lost; the warning names the way out."""
+    drawing = GeneratorSource(_shard, range(4), lengths=[10] * 4)
+    for dataset in (_Stream(), drawing):
+        with pytest.warns(UserWarning, match="worker threads: .*training loop draws .*"
+                                             "backend='process'"):
+            ResumableLoader(dataset, batch_size=2, num_workers=2, backend="thread").close()
+    quiet = GeneratorSource(_shard, range(4), lengths=[10] * 4, rng_free=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for backend in ("thread", "process", "auto"):
+            ResumableLoader(quiet, batch_size=2, num_workers=2, backend=backend).close()
+        ResumableLoader(drawing, batch_size=2, num_workers=2, backend="auto").close()
 
 
 @pytest.mark.parametrize("backend", ["process", "thread"])
