@@ -4,7 +4,9 @@ A loader is a schedule (the plan and the cursor) and an engine (what turns the p
 batches). What users and Lightning see is the same for all of them and lives here once:
 
 - ``iter()`` is cheap and replaces older iterators; the epoch and the engine start at the
-  first ``next()`` (Lightning calls ``iter()`` once extra during setup);
+  first ``next()`` (Lightning calls ``iter()`` once extra during setup); threads take turns:
+  an ``iter()`` waits for a ``next()`` in flight in another thread (the engine, the slots and
+  the schedule are driven by one iterator at a time), which then raises at its next ``next()``;
 - a batch is counted when it is handed to the caller, never when it is prefetched, and batches
   a prefetching trainer holds are left out of ``state_dict()``;
 - ``sampler.set_epoch`` (what Lightning calls), ``epoch``, ``len()``; the ``set_epoch`` of a
@@ -23,6 +25,7 @@ yields plain batches).
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
@@ -102,17 +105,34 @@ class DeliveryCore:
         a fetcher still held at a new ``iter()`` were never trained on (it iterates again under
         ``reload_dataloaders_every_n_epochs``, or a restart sets the data up twice and drops
         it), so the new iterator goes on from before them (the cursor the state saves), not
-        with the next epoch."""
-        if batches_held(self._held):
-            self.load_state_dict(self.state_dict())
-        self._held = None
-        prefetcher = find_prefetcher()
-        self._iter_token += 1
-        self._prefetcher = prefetcher
-        if (prefetcher is not None and not self.schedule.restoring
-                and (epoch := fit_epoch()) is not None):
-            self.schedule.set_epoch(epoch)  # Lightning fetches a batch before it says so
-        return Delivery(self, self._iter_token)
+        with the next epoch.
+
+        Called while another thread is inside ``next()`` on this loader, it waits for that
+        batch to be handed over (``_serial``)."""
+        with self._serial():
+            if batches_held(self._held):
+                self.load_state_dict(self.state_dict())
+            self._held = None
+            prefetcher = find_prefetcher()
+            self._iter_token += 1
+            self._prefetcher = prefetcher
+            if (prefetcher is not None and not self.schedule.restoring
+                    and (epoch := fit_epoch()) is not None):
+                self.schedule.set_epoch(epoch)  # Lightning fetches a batch before it says so
+            return Delivery(self, self._iter_token)
+
+    def _serial(self) -> threading.RLock:
+        """The lock under which one thread at a time replaces (``iter()``) or advances
+        (``next()``) this loader's iterator: two iterators driving the engine at once would
+        mix their requests and results. Made at first use; a copy makes its own."""
+        lock = self.__dict__.get("_lock")
+        if lock is None:
+            lock = self.__dict__.setdefault("_lock", threading.RLock())
+        return lock
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (and copied) without the lock of ``_serial``."""
+        return {name: value for name, value in self.__dict__.items() if name != "_lock"}
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (equal on every rank)."""
@@ -230,9 +250,11 @@ class DeliveryCore:
 
 class Delivery:
     """A loader's iterator: opens the epoch at the first ``next()``, goes on from the cursor
-    after an error or ``close()``, and refuses to run once a newer ``iter()`` replaced it."""
+    after an error or ``close()``, and refuses to run once a newer ``iter()`` replaced it.
+    Each ``next()`` holds the loader's ``_serial`` lock."""
 
     def __init__(self, loader: DeliveryCore, token: int) -> None:
+        self._lock = loader._serial()
         self._loader = loader
         self._token = token
         self._batches: Iterator[Any] | None = None
@@ -245,35 +267,43 @@ class Delivery:
     def __del__(self) -> None:
         """Dropped before its epoch's end (a ``break``), the loader's current iterator takes
         workers that are not persistent with it, as ``DataLoader``'s iterator does; persistent
-        ones wait for the next ``iter()``."""
+        ones wait for the next ``iter()``. Not while another thread holds the loader's lock:
+        a collection may run in any thread, and that thread's ``iter()`` or ``next()`` now
+        owns the workers."""
         loader = self._loader
-        if (self._started and loader._iter_token == self._token
-                and getattr(loader, "persistent_workers", True) is False):
-            loader.close()
+        if (not self._started or getattr(loader, "persistent_workers", True) is not False
+                or not self._lock.acquire(blocking=False)):
+            return
+        try:
+            if loader._iter_token == self._token:
+                loader.close()
+        finally:
+            self._lock.release()
 
     def __next__(self) -> Any:
         loader = self._loader
-        if loader._iter_token != self._token:
-            raise RuntimeError("this iterator was replaced by a newer iter() on its loader")
-        if self._batches is None or self._generation != loader._generation:
-            self._batches = loader._reopen() if self._started else loader._begin()
-            self._started = True
+        with self._lock:
+            if loader._iter_token != self._token:
+                raise RuntimeError("this iterator was replaced by a newer iter() on its loader")
+            if self._batches is None or self._generation != loader._generation:
+                self._batches = loader._reopen() if self._started else loader._begin()
+                self._started = True
+                self._generation = loader._generation
+            try:
+                batch = next(self._batches)
+            except StopIteration:
+                loader._held = note_held(loader._prefetcher, handed=False)
+                raise
+            except BaseException:
+                self._batches = None
+                loader._close_after_error()
+                raise
+            # An engine restarted inside next() (after a worker crash) is current; a close()
+            # between two calls is not, and reopens at the cursor.
             self._generation = loader._generation
-        try:
-            batch = next(self._batches)
-        except StopIteration:
-            loader._held = note_held(loader._prefetcher, handed=False)
-            raise
-        except BaseException:
-            self._batches = None
-            loader._close_after_error()
-            raise
-        # An engine restarted inside next() (after a worker crash) is current; a close()
-        # between two calls is not, and reopens at the cursor.
-        self._generation = loader._generation
-        if loader._prefetcher is not None:
-            loader._held = note_held(loader._prefetcher, handed=True)
-        return batch
+            if loader._prefetcher is not None:
+                loader._held = note_held(loader._prefetcher, handed=True)
+            return batch
 
 
 def counted(batches: Iterable[Any], schedule: Any) -> Iterator[Any]:

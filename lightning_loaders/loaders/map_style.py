@@ -260,7 +260,7 @@ class MapStyleLoader(ResumableLoader):
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (and deep-copied) as after ``close()``: without the engine's iterator (a
         spent one holds a generator); a pool holding workers refuses (``refuse_live``)."""
-        return {**self.__dict__, "_active": None}
+        return {**super().__getstate__(), "_active": None}
 
     def close(self) -> None:
         """Shut the worker processes down now (they also stop when the loader is collected).

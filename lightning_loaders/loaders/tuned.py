@@ -16,6 +16,7 @@ same cursor.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -48,12 +49,16 @@ class TunedDelivery:
     epoch has left (``None``: unknown) and ``untunable``, asked after an iterator's first
     batch, why no setting could change the speed (``None``: it can), which stops the tuning;
     ``settled`` says whether the workers are what they will stay (``False`` while
-    ``backend="auto"`` is still choosing: those batches are not measured)."""
+    ``backend="auto"`` is still choosing: those batches are not measured); ``lock`` is held
+    through each ``next()`` (the loader's, so that a setting is applied while no other thread
+    drives the pool)."""
 
     def __init__(self, inner: Iterator[Any], tuner: Autotuner,
                  apply: Callable[[Setting], None], batches_left: Callable[[], int | None],
                  untunable: Callable[[], str | None], *,
-                 settled: Callable[[], bool] = lambda: True) -> None:
+                 settled: Callable[[], bool] = lambda: True,
+                 lock: threading.RLock | None = None) -> None:
+        self._lock = threading.RLock() if lock is None else lock
         self._inner = inner
         self._tuner = tuner
         self._apply = apply
@@ -67,24 +72,25 @@ class TunedDelivery:
         return self
 
     def __next__(self) -> Any:
-        if self._returned is None:
-            self._apply_pending()
-        called = time.perf_counter()
-        try:
-            batch = next(self._inner)
-        except BaseException:
-            self._returned = None
-            self._apply_pending()  # at the epoch's end, or before a retry
-            raise
-        now = time.perf_counter()
-        if self._returned is None and not self._tuner.done:
-            reason = self._untunable()
-            if reason is not None:
-                self._tuner.stop(reason)
-        elif self._returned is not None:
-            self._measure(now - called, called - self._returned)
-        self._returned = now
-        return batch
+        with self._lock:
+            if self._returned is None:
+                self._apply_pending()
+            called = time.perf_counter()
+            try:
+                batch = next(self._inner)
+            except BaseException:
+                self._returned = None
+                self._apply_pending()  # at the epoch's end, or before a retry
+                raise
+            now = time.perf_counter()
+            if self._returned is None and not self._tuner.done:
+                reason = self._untunable()
+                if reason is not None:
+                    self._tuner.stop(reason)
+            elif self._returned is not None:
+                self._measure(now - called, called - self._returned)
+            self._returned = now
+            return batch
 
     def _measure(self, wait_s: float, work_s: float) -> None:
         """Time a batch for the tuner, and apply a decided setting when enough of the epoch is

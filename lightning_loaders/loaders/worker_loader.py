@@ -153,7 +153,7 @@ class WorkerLoader(DeliveryCore):
         if self._autotuner is None:
             return iterator
         return TunedDelivery(iterator, self._autotuner, self._run_setting, self._batches_left,
-                             self._untunable, settled=self._settled)
+                             self._untunable, settled=self._settled, lock=self._serial())
 
     @property
     def autotune(self) -> Tuning | None:

@@ -1,6 +1,9 @@
 """What both worker-backed loaders share: DataLoader's attributes, the iterator rule, and
 stopping their workers on close(), ``with`` and Lightning's teardown."""
 
+import multiprocessing
+import os
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -65,3 +68,111 @@ def test_every_way_of_stopping_stops_the_workers_and_loses_nothing(make, stop: s
     assert loader_processes() == []
     got += list(it)
     assert [str(b) for b in got] == [str(b) for b in expected]
+
+
+class _Gate:
+    """Process-shared events (forked workers inherit them): the fetch of sample ``sample``
+    sets ``entered`` and waits for ``release``."""
+
+    def __init__(self, sample: int) -> None:
+        fork = multiprocessing.get_context("fork")
+        self.sample, self.entered, self.release = sample, fork.Event(), fork.Event()
+
+
+class _Gated(torch.utils.data.Dataset[int]):
+    """Samples ``start .. stop - 1``; fetching ``gate.sample`` waits at ``gate``."""
+
+    def __init__(self, start: int, stop: int, gate: _Gate) -> None:
+        self.start, self.stop, self.gate = start, stop, gate
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, index: int) -> int:
+        sample = self.start + index
+        if sample == self.gate.sample:
+            self.gate.entered.set()
+            assert self.gate.release.wait(30), "the test never released the gated sample"
+        return sample
+
+
+def _gated(kind: str, gate: _Gate, **kwargs) -> ResumableLoader:
+    """24 samples in batches of 4, shuffled, map-style or as two 12-sample shards."""
+    data = (_Gated(0, 24, gate) if kind == "map-style"
+            else SequenceSource([_Gated(0, 12, gate), _Gated(12, 24, gate)]))
+    return ResumableLoader(data, batch_size=4, shuffle=True, **kwargs)
+
+
+WORKERS = {"0 workers": {},
+           "processes": {"num_workers": 2, "multiprocessing_context": "fork"},
+           "processes, not persistent": {"num_workers": 2, "multiprocessing_context": "fork",
+                                         "persistent_workers": False},
+           "threads": {"num_workers": 2, "backend": "thread"},
+           "threads, not persistent": {"num_workers": 2, "backend": "thread",
+                                       "persistent_workers": False}}
+
+
+def _ring_segments() -> set[str]:
+    """This process's shared-memory ring slots (``engines.transport``) in /dev/shm."""
+    prefix = f"ll_ring_{os.getpid()}_"
+    return {name for name in os.listdir("/dev/shm") if name.startswith(prefix)}
+
+
+@pytest.mark.parametrize("workers", WORKERS.values(), ids=WORKERS.keys())
+@pytest.mark.parametrize("kind", ["map-style", "iterable"])
+def test_an_iter_from_another_thread_waits_for_the_next_in_flight_then_replaces_it(
+        kind: str, workers: dict) -> None:
+    """Thread A is inside ``next()`` (its batch is being fetched) when thread B calls
+    ``iter()``: B's ``iter()`` waits for A's ``next()`` to return, A's next ``next()`` raises
+    the documented error, and B delivers exactly the next epoch (a new ``iter()`` after a
+    partly read epoch starts the next one); no hang, no internal error, no worker or
+    shared-memory slot left."""
+    released = _Gate(-1)
+    released.release.set()
+    with _gated(kind, released, **workers) as reference:
+        expected = [[batch.tolist() for batch in reference] for _ in range(2)]
+    segments_before = _ring_segments()
+    gate = _Gate(expected[0][0][0])  # the first sample of epoch 0
+    loader = _gated(kind, gate, **workers)
+    got: dict[str, list] = {"A": [], "B": []}
+    b_calls_iter, b_has_iterator = threading.Event(), threading.Event()
+
+    def thread_a() -> None:
+        iterator = iter(loader)
+        try:
+            got["A"].append(next(iterator).tolist())
+            assert b_has_iterator.wait(30)
+            got["A"].append(next(iterator).tolist())
+        except Exception as exc:
+            got["A"].append(f"{type(exc).__name__}: {exc}")
+
+    def thread_b() -> None:
+        b_calls_iter.set()
+        iterator = iter(loader)
+        b_has_iterator.set()
+        try:
+            got["B"] += [batch.tolist() for batch in iterator]
+        except Exception as exc:
+            got["B"].append(f"{type(exc).__name__}: {exc}")
+
+    a = threading.Thread(target=thread_a, daemon=True)
+    b = threading.Thread(target=thread_b, daemon=True)
+    a.start()
+    assert gate.entered.wait(30)  # A is inside next(), fetching its first batch
+    b.start()
+    assert b_calls_iter.wait(30)
+    # a grace period, in which B's iter() must not get past A's next() in flight
+    overtook = b_has_iterator.wait(0.5)
+    gate.release.set()
+    a.join(30)
+    b.join(30)
+    assert not a.is_alive() and not b.is_alive(), f"hung: {got}"
+    loader.close()
+    assert got["A"] == [expected[0][0], "RuntimeError: this iterator was replaced by a newer "
+                                        "iter() on its loader"]
+    assert got["B"] == expected[1]
+    state = loader.state_dict()
+    assert (state["epoch"], state["batches"]) == (1, len(expected[1]))
+    assert not overtook
+    assert loader_processes() == []
+    assert _ring_segments() <= segments_before
