@@ -4,9 +4,8 @@ the datasets that can tell cheaply and deterministically.
 The fingerprint otherwise holds the dataset's length, so a state saved over one dataset would
 resume mid-epoch over other data of the same length. The identity is a digest of the column
 names and of a few rows spread over the dataset (the first, the last and evenly between), read
-as Arrow and converted to Python values, and of the row count. It is chosen to stay the same
-wherever the same rows are rebuilt, since refusing a valid resume is as bad as accepting a
-wrong one:
+as Arrow column by column, and of the row count. It is chosen to stay the same wherever the
+same rows are rebuilt, since refusing a valid resume is as bad as accepting a wrong one:
 
 - Hugging Face's ``Dataset._fingerprint`` is not used: it changes with every transform, and a
   ``map`` whose function cannot be hashed gets a random one, new in every process. Cache file
@@ -16,19 +15,22 @@ wrong one:
   ``select``/``shuffle``/``sort`` count as other content (a ``shuffle()`` without a seed, new
   in every process, is then refused: give it a seed).
 - Values, not Arrow types or Hugging Face features: the same values stored with another
-  integer width or string type are the same samples. An image or audio cell stored as a path
-  (``imagefolder``) counts by its file name, not its directory: data copied elsewhere (a
-  job's local disk) resumes; files of the same names elsewhere are not told apart.
+  integer or float width, string or list type are the same samples. An image or audio cell
+  stored as a path (``imagefolder``) counts by its file name, not its directory: data copied
+  elsewhere (a job's local disk) resumes; files of the same names elsewhere are not told apart.
 
 A few rows cannot see a change between them (a dataset edited in one row), but they see other
-files, another split, and another order. A plain torch dataset has no such identity (reading a
-sample may decode an image or draw an augmentation): ``None``, and its fingerprint keeps the
-length alone.
+files, another split, and another order. Wide rows are read at a bounded cost, never as Python
+values: numbers, strings and lists of them straight from Arrow's buffers, and of each array (a
+column, the values its lists hold, the bytes of its strings) at most ``_VALUES`` entries
+spread over it, so 30 s of speech per row costs a few milliseconds, as a few values do (an
+edit inside a wide cell, like one between the rows, may go unseen). A plain torch dataset has
+no such identity (reading a sample may decode an image or draw an augmentation): ``None``, and
+its fingerprint keeps the length alone.
 """
 
 from __future__ import annotations
 
-import posixpath
 import sys
 from typing import Any
 
@@ -40,7 +42,8 @@ from lightning_loaders.sources.tables import TableDataset
 
 __all__ = ["content_identity"]
 
-_ROWS = 8  # rows read: the cost is theirs (well under a millisecond for rows of a few values)
+_ROWS = 8  # rows read
+_VALUES = 1 << 16  # values (or bytes) read of each array of them: the cost of the widest rows
 _MEDIA = {"bytes", "path"}  # the Arrow storage of Hugging Face's Image, Audio and Video cells
 
 
@@ -49,11 +52,11 @@ def content_identity(dataset: Any) -> str | None:
     Face ``datasets.Dataset``, and a ``Mix`` with either among its sources; ``None`` for any
     other dataset (see the module docstring)."""
     if isinstance(dataset, TableDataset):
-        return _rows_identity("TableDataset", dataset.table.take(_positions(len(dataset))),
-                              len(dataset))
+        rows = dataset.table.take(_positions(len(dataset), _ROWS))
+        return _rows_identity("TableDataset", rows, len(dataset))
     hf = sys.modules.get("datasets")  # never imported here: an HF dataset has imported it
     if hf is not None and isinstance(dataset, hf.Dataset):
-        rows = dataset.with_format("arrow")[_positions(len(dataset))]
+        rows = dataset.with_format("arrow")[_positions(len(dataset), _ROWS).tolist()]
         return _rows_identity("datasets.Dataset", rows, len(dataset))
     if isinstance(dataset, Mix):
         members = [content_identity(source) for source in dataset.sources]
@@ -61,31 +64,85 @@ def content_identity(dataset: Any) -> str | None:
     return None
 
 
-def _positions(length: int) -> list[int]:
-    """``_ROWS`` row numbers spread evenly over ``length`` rows, the first and last included."""
-    if length <= _ROWS:
-        return list(range(length))
-    return [(length - 1) * k // (_ROWS - 1) for k in range(_ROWS)]
+def _positions(length: int, count: int) -> np.ndarray:
+    """``count`` positions spread evenly over ``length``, the first and last included (all of
+    them when there are no more)."""
+    if length <= count:
+        return np.arange(length)
+    return (length - 1) * np.arange(count) // (count - 1)
 
 
 def _rows_identity(kind: str, rows: Any, length: int) -> str:
     """The identity of a dataset of ``length`` rows from the Arrow table of its sampled rows."""
-    values = _canonical(rows.to_pylist())
+    values = [_column(column.combine_chunks()) for column in rows.columns]
     return f"{kind} rows {digest([length, list(rows.column_names), values])}"
 
 
-def _canonical(value: Any) -> Any:
-    """``value`` as the identity reads it: each ``bytes`` replaced by its digest, which reads
-    it at memory speed where ``repr`` would spell every byte out (an encoded image: 2 ms
-    instead of 33 for eight of 200 KB); the ``path`` of a Hugging Face media cell
-    (``{"bytes", "path"}``: ``Image``, ``Audio``, ``Video``) by its file name, since where the
-    files lie is not what they are (a job that copies its data to local disk resumes)."""
-    if isinstance(value, bytes):
-        return ("bytes", digest(np.frombuffer(value, dtype=np.uint8)))
-    if isinstance(value, dict):
-        if value.keys() == _MEDIA and isinstance(value["path"], str):
-            value = {**value, "path": posixpath.basename(value["path"].replace("\\", "/"))}
-        return {key: _canonical(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_canonical(item) for item in value]
-    return value
+def _column(array: Any) -> Any:
+    """``array``'s values as the identity reads them, column by column and level by level,
+    never converting a number, string or list of them to Python: numbers by ``_numbers``,
+    strings and bytes as their lengths and bytes, lists as their lengths and the values they
+    hold, so other widths of the same values read the same. Each array is read at ``_spread``
+    (a wide row costs as much as a narrow one). The ``path`` of a Hugging Face media cell (a
+    ``{"bytes", "path"}`` struct: ``Image``, ``Audio``, ``Video``) counts by its file name,
+    since where the files lie is not what they are (a job that copies its data to local disk
+    resumes). Other types (dates, decimals, maps) as Python values."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    kind = array.type
+    if isinstance(array, pa.ExtensionArray):
+        return _column(array.storage)
+    if pa.types.is_dictionary(kind):
+        return _column(array.dictionary_decode())
+    nulls = digest(_spread(array.is_null()).to_numpy(zero_copy_only=False)) \
+        if array.null_count else None
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
+        return "numbers", nulls, digest(_numbers(_spread(array)))
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        return "str", nulls, *_lengths_and_bytes(array)
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+        return "bytes", nulls, *_lengths_and_bytes(array)
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or \
+            pa.types.is_fixed_size_list(kind):
+        lengths = pc.list_value_length(array).fill_null(0)
+        return ("list", nulls, digest(_spread(lengths).to_numpy().astype(np.int64)),
+                _column(array.flatten()))
+    if pa.types.is_struct(kind):
+        fields = dict(zip([field.name for field in kind], array.flatten(), strict=True))
+        if fields.keys() == _MEDIA and pa.types.is_string(fields["path"].type):
+            fields["path"] = pc.replace_substring_regex(fields["path"], r"^.*[/\\]", "")
+        return "struct", nulls, {name: _column(field) for name, field in fields.items()}
+    return _spread(array).to_pylist()
+
+
+def _spread(values: Any) -> Any:
+    """At most ``_VALUES`` of ``values`` (an Arrow or numpy array), evenly spread, the first and
+    last included: what the identity reads of an array, however wide its rows."""
+    return values if len(values) <= _VALUES else values.take(_positions(len(values), _VALUES))
+
+
+def _numbers(array: Any) -> np.ndarray:
+    """A numeric Arrow array's values as int64, float64 (NaNs made one) or bool, whatever width
+    stores them; a null as a zero (``_column`` digests where they are)."""
+    import pyarrow as pa
+
+    if array.null_count:
+        array = array.fill_null(False if pa.types.is_boolean(array.type) else 0)
+    values = array.to_numpy(zero_copy_only=False)
+    if values.dtype.kind == "f":
+        values = values.astype(np.float64)
+        values[np.isnan(values)] = np.nan
+    return values.astype(np.int64) if values.dtype.kind in "iu" else values
+
+
+def _lengths_and_bytes(array: Any) -> tuple[str, str]:
+    """The digests of the lengths of a string or binary array's values, and of their bytes
+    (``_spread``), read from its Arrow buffers."""
+    import pyarrow as pa
+
+    sample = _spread(array).cast(pa.large_binary())
+    _, offsets, data = sample.buffers()
+    ends = np.frombuffer(offsets, dtype=np.int64)[sample.offset:sample.offset + len(sample) + 1]
+    content = np.frombuffer(data, dtype=np.uint8)[ends[0]:ends[-1]]
+    return digest(np.diff(ends)), digest(_spread(content))
