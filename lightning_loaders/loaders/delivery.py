@@ -25,6 +25,7 @@ yields plain batches).
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
@@ -124,11 +125,16 @@ class DeliveryCore:
     def _serial(self) -> threading.RLock:
         """The lock under which one thread at a time replaces (``iter()``) or advances
         (``next()``) this loader's iterator: two iterators driving the engine at once would
-        mix their requests and results. Made at first use; a copy makes its own."""
-        lock = self.__dict__.get("_lock")
-        if lock is None:
-            lock = self.__dict__.setdefault("_lock", threading.RLock())
-        return lock
+        mix their requests and results. Made at first use; a copy makes its own, and so does
+        a forked child (``ddp_fork``, ``os.fork()``), where a thread of the parent that held
+        it does not exist."""
+        pid = os.getpid()
+        owned = self.__dict__.get("_lock")
+        if owned is None:
+            owned = self.__dict__.setdefault("_lock", (pid, threading.RLock()))
+        if owned[0] != pid:  # forked: the child's only thread
+            owned = self.__dict__["_lock"] = (pid, threading.RLock())
+        return owned[1]
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (and copied) without the lock of ``_serial``."""
@@ -254,7 +260,6 @@ class Delivery:
     Each ``next()`` holds the loader's ``_serial`` lock."""
 
     def __init__(self, loader: DeliveryCore, token: int) -> None:
-        self._lock = loader._serial()
         self._loader = loader
         self._token = token
         self._batches: Iterator[Any] | None = None
@@ -271,18 +276,19 @@ class Delivery:
         a collection may run in any thread, and that thread's ``iter()`` or ``next()`` now
         owns the workers."""
         loader = self._loader
+        lock = loader._serial()
         if (not self._started or getattr(loader, "persistent_workers", True) is not False
-                or not self._lock.acquire(blocking=False)):
+                or not lock.acquire(blocking=False)):
             return
         try:
             if loader._iter_token == self._token:
                 loader.close()
         finally:
-            self._lock.release()
+            lock.release()
 
     def __next__(self) -> Any:
         loader = self._loader
-        with self._lock:
+        with loader._serial():
             if loader._iter_token != self._token:
                 raise RuntimeError("this iterator was replaced by a newer iter() on its loader")
             if self._batches is None or self._generation != loader._generation:

@@ -16,9 +16,9 @@ same cursor.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from lightning_loaders.engines.autotune import AutotuneConfig, Autotuner, Setting
@@ -49,16 +49,16 @@ class TunedDelivery:
     epoch has left (``None``: unknown) and ``untunable``, asked after an iterator's first
     batch, why no setting could change the speed (``None``: it can), which stops the tuning;
     ``settled`` says whether the workers are what they will stay (``False`` while
-    ``backend="auto"`` is still choosing: those batches are not measured); ``lock`` is held
-    through each ``next()`` (the loader's, so that a setting is applied while no other thread
-    drives the pool)."""
+    ``backend="auto"`` is still choosing: those batches are not measured); ``serial()``, the
+    loader's lock, is held through each ``next()``, so that a setting is applied while no
+    other thread drives the pool."""
 
     def __init__(self, inner: Iterator[Any], tuner: Autotuner,
                  apply: Callable[[Setting], None], batches_left: Callable[[], int | None],
                  untunable: Callable[[], str | None], *,
                  settled: Callable[[], bool] = lambda: True,
-                 lock: threading.RLock | None = None) -> None:
-        self._lock = threading.RLock() if lock is None else lock
+                 serial: Callable[[], AbstractContextManager[Any]] = nullcontext) -> None:
+        self._serial = serial
         self._inner = inner
         self._tuner = tuner
         self._apply = apply
@@ -72,7 +72,7 @@ class TunedDelivery:
         return self
 
     def __next__(self) -> Any:
-        with self._lock:
+        with self._serial():
             if self._returned is None:
                 self._apply_pending()
             called = time.perf_counter()

@@ -79,12 +79,13 @@ class WorkerLoader(DeliveryCore):
         super().__setattr__(name, value)
 
     def _take_options(self, dataset: Any, options: LoaderOptions, *, drop_last: bool,
-                      process_wide: str | None = None) -> None:
+                      process_wide: str | None = None, turns: bool = False) -> None:
         """Check and keep ``DataLoader``'s arguments (as its attributes) and the worker
         options; the dataset, collate_fn and worker_init_fn must pickle for workers.
         ``drop_last`` is what the resolved last-batch policy says; ``process_wide`` names what
         the workers set up in state shared by the whole process (``backend="auto"`` then
-        starts on processes, where each worker has its own)."""
+        starts on processes, where each worker has its own); ``turns``: threads would take
+        turns at it, holding the global RNGs (a warning says so when threads are used)."""
         o = options
         check_loader_arguments(
             batch_size=o.batch_size, num_workers=o.num_workers, timeout=o.timeout,
@@ -117,7 +118,7 @@ class WorkerLoader(DeliveryCore):
                     self._auto = AutoChoice(max(1, num_workers), backend="process")
         threads = o.backend == "thread" or (self._auto is not None
                                             and self._auto.backend == "thread")
-        if process_wide is not None and threads and (num_workers > 0 or tuned is not None):
+        if turns and threads and (num_workers > 0 or tuned is not None):
             warnings.warn(
                 f"worker threads: {process_wide}: they read one at a time, and what the "
                 "training loop draws from random/numpy/torch while a thread reads comes from "
@@ -153,7 +154,7 @@ class WorkerLoader(DeliveryCore):
         if self._autotuner is None:
             return iterator
         return TunedDelivery(iterator, self._autotuner, self._run_setting, self._batches_left,
-                             self._untunable, settled=self._settled, lock=self._serial())
+                             self._untunable, settled=self._settled, serial=self._serial)
 
     @property
     def autotune(self) -> Tuning | None:

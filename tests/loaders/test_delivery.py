@@ -176,3 +176,31 @@ def test_an_iter_from_another_thread_waits_for_the_next_in_flight_then_replaces_
     assert not overtook
     assert loader_processes() == []
     assert _ring_segments() <= segments_before
+
+
+def test_a_child_forked_while_a_thread_is_inside_next_reads_the_loader() -> None:
+    """A process forked while another thread is inside ``next()`` (``ddp_fork`` after a
+    notebook thread read the loader) inherits the loader's lock held by a thread it does not
+    have: the child makes its own lock, and reads a whole epoch instead of hanging."""
+    gate = _Gate(0)
+    loader = _gated("map-style", gate)
+    reader = threading.Thread(target=lambda: next(iter(loader)), daemon=True)
+    reader.start()
+    assert gate.entered.wait(30)  # the thread holds the lock, inside next()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child's outcome is its exit status)
+        gate.release.set()
+        samples = sorted(i for batch in loader for i in batch.tolist())
+        os._exit(0 if samples == list(range(24)) else 1)
+    gate.release.set()
+    reader.join(30)
+    for _ in range(300):
+        pid, status = os.waitpid(child, os.WNOHANG)
+        if pid:
+            break
+        threading.Event().wait(0.1)
+    else:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+        pytest.fail("the forked child hung on the lock its parent's thread held")
+    assert os.waitstatus_to_exitcode(status) == 0
