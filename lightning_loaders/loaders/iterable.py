@@ -169,7 +169,8 @@ class ResumableIterableLoader(ResumableLoader):
             options = replace(options, batch_size=1, collate_fn=unbatched)
         self.last_batch: LastBatch = resolve_last_batch(options.last_batch, options.drop_last)
         self._take_options(dataset, options, drop_last=self.last_batch == "drop",
-                           process_wide=_process_wide(dataset))
+                           process_wide=_process_wide(dataset),
+                           turns=not isinstance(dataset, ShardedSource) or dataset.own_rngs)
         shuffle, shuffle_buffer = options.shuffle, options.shuffle_buffer
         if options.on_error != "raise":
             raise ValueError(f"on_error={options.on_error!r} is not supported for iterable "
@@ -477,16 +478,22 @@ def _check_lengths(source: ShardedSource[Any], planned: tuple[int, ...] | None) 
 
 
 def _process_wide(dataset: Any) -> str | None:
-    """What reading ``dataset`` sets up in state the whole process shares, which threads would
-    take turns at (``None``: nothing): the global RNGs and environment a plain stream is opened
-    under, the global-RNG states of their own a source's shards are read under
-    (``ShardedSource.own_rngs``)."""
+    """What reading ``dataset`` needs of state the whole process shares, which threads could
+    not give each worker (``None``: nothing): the global RNGs and environment a plain stream
+    is opened under, the global-RNG states of their own a source's shards are read under
+    (``ShardedSource.own_rngs``), or each batch's seeding of the global RNGs, which worker
+    threads leave alone, for a source that may draw from them as it seeks and reads."""
     if not isinstance(dataset, ShardedSource):
         return ("a plain IterableDataset's stream is opened under the global RNGs and the "
                 "environment (RANK, WORLD_SIZE), which threads share with the training loop")
+    name = type(dataset).__name__
     if dataset.own_rngs:
-        return (f"{type(dataset).__name__} reads each shard under global-RNG states of its "
-                "own (it is neither rng_free, which a source that never draws from them may "
-                "set, nor seeks), which threads share")
+        return (f"{name} reads each shard under global-RNG states of its own (it is neither "
+                "rng_free, which a source that never draws from them may set, nor seeks), "
+                "which threads share")
+    if not dataset.rng_free:
+        return (f"{name} may draw from the global RNGs as it reads (it is not rng_free): "
+                "each batch's seeding of them, which worker threads leave alone, makes its "
+                "draws the same for every num_workers and resume")
     return None
 

@@ -96,7 +96,7 @@ class ResumableLoader(WorkerLoader):
             min(num_workers, cores) + crossing`` (``engines.threads.choose_backend``), else
             the loader switches to processes at the next batch, from the cursor (a dataset
             that cannot be pickled stays on threads; with a ``worker_init_fn`` or a plain
-            ``IterableDataset`` or a source with ``own_rngs``, whose per-worker state
+            ``IterableDataset`` or a source that is not ``rng_free``, whose per-worker state
             threads would share, it takes processes at once); ``backend_in_use`` says which
             runs. The stream, ``sample_rng()`` and the state are the same for every backend
             (a state saved under one resumes under another). Under threads,

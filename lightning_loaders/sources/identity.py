@@ -44,6 +44,8 @@ __all__ = ["content_identity"]
 
 _ROWS = 8  # rows read
 _VALUES = 1 << 16  # values (or bytes) read of each array of them: the cost of the widest rows
+_LIST_TYPES = ("is_list", "is_large_list", "is_fixed_size_list", "is_list_view",
+               "is_large_list_view")  # pyarrow.types predicates, where this pyarrow has them
 _MEDIA = {"bytes", "path"}  # the Arrow storage of Hugging Face's Image, Audio and Video cells
 
 
@@ -99,18 +101,17 @@ def _column(array: Any) -> Any:
         if array.null_count else None
     if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
         return "numbers", nulls, digest(_numbers(_spread(array)))
-    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+    if _is_text(kind):
         return "str", nulls, *_lengths_and_bytes(array)
     if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
         return "bytes", nulls, *_lengths_and_bytes(array)
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or \
-            pa.types.is_fixed_size_list(kind):
+    if any(getattr(pa.types, name, lambda _: False)(kind) for name in _LIST_TYPES):
         lengths = pc.list_value_length(array).fill_null(0)
         return ("list", nulls, digest(_spread(lengths).to_numpy().astype(np.int64)),
                 _column(array.flatten()))
     if pa.types.is_struct(kind):
         fields = dict(zip([field.name for field in kind], array.flatten(), strict=True))
-        if fields.keys() == _MEDIA and pa.types.is_string(fields["path"].type):
+        if fields.keys() == _MEDIA and _is_text(fields["path"].type):
             fields["path"] = pc.replace_substring_regex(fields["path"], r"^.*[/\\]", "")
         return "struct", nulls, {name: _column(field) for name, field in fields.items()}
     return _spread(array).to_pylist()
@@ -133,7 +134,15 @@ def _numbers(array: Any) -> np.ndarray:
     if values.dtype.kind == "f":
         values = values.astype(np.float64)
         values[np.isnan(values)] = np.nan
+    if values.dtype.kind == "u" and len(values) and values.max() > np.iinfo(np.int64).max:
+        return values  # as uint64: as int64 they would read as other, negative, values
     return values.astype(np.int64) if values.dtype.kind in "iu" else values
+
+
+def _is_text(kind: Any) -> bool:
+    import pyarrow as pa
+
+    return bool(pa.types.is_string(kind) or pa.types.is_large_string(kind))
 
 
 def _lengths_and_bytes(array: Any) -> tuple[str, str]:

@@ -46,6 +46,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import IO, Any, Literal, TypeVar
 
+import numpy as np
+import torch
 from torch.utils.data import IterableDataset
 
 from lightning_loaders.hashing import digest
@@ -67,6 +69,7 @@ Lengths = Sequence[int] | Literal["scan"] | None
 
 _HEADER = struct.Struct("<I")  # a record's payload length, little-endian uint32
 _SHARD_TAG = 0x5A4D  # keys the global RNGs a shard is opened and read under
+_CONTAINERS = (list, tuple, range, str, bytes, np.ndarray, torch.Tensor)  # no code of users'
 
 
 class ShardedSource(IterableDataset[T]):
@@ -160,6 +163,8 @@ class SequenceSource(ShardedSource[T]):
         if len(sequences) == 0:
             raise ValueError("SequenceSource needs at least one sequence")
         self.sequences = list(sequences)
+        # a map-style dataset's __getitem__ may draw; plain containers do not
+        self.rng_free = all(isinstance(sequence, _CONTAINERS) for sequence in self.sequences)
 
     @property
     def shards(self) -> Sequence[Sequence[T]]:
@@ -246,6 +251,7 @@ class _FileShards(ShardedSource[T]):
         if decode is not None and not callable(decode):
             raise TypeError(f"decode must be callable, got {type(decode).__name__}")
         self.decode = decode
+        self.rng_free = decode is None  # a decode may draw (an augmentation)
         if lengths == "scan":
             self._lengths: list[int] | None = [self._count(path) for path in self.paths]
         else:

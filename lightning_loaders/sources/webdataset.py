@@ -91,6 +91,7 @@ class WebDatasetSource(ShardedSource[Any]):
         if missing:
             raise FileNotFoundError(f"WebDatasetSource: no such tar file(s): {missing[:5]}")
         self.decode = _decoder(decode)
+        self.rng_free = _rng_free(decode)
         if lengths == "scan":
             self._lengths: list[int] | None = _count_all(self.paths)
         else:
@@ -392,6 +393,14 @@ def _local_path(url: str) -> str:
             f"to resume), got the remote URL {url!r}: download the shards or mount their "
             "storage as a file system, and pass the local paths")
     return parsed.path if parsed.scheme else url
+
+
+def _rng_free(decode: Decode) -> bool:
+    """Whether ``decode`` runs no code of the user's, which may draw from the global RNGs
+    (WebDataset's handlers named by strings, ``decode_basic``, nothing)."""
+    if decode is None or decode is decode_basic or isinstance(decode, str):
+        return True
+    return not callable(decode) and all(isinstance(handler, str) for handler in decode)
 
 
 def _decoder(decode: Decode) -> Callable[[dict[str, Any]], Any] | None:

@@ -21,7 +21,12 @@ from torch.utils.data import IterableDataset, get_worker_info
 from lightning_loaders import AutotuneConfig, ResumableLoader, sample_rng, worker_info
 from lightning_loaders.engines import threads
 from lightning_loaders.errors import SampleFetchError, WorkerTimeoutError
-from lightning_loaders.sources.shards import GeneratorSource, SequenceSource
+from lightning_loaders.sources.shards import (
+    GeneratorSource,
+    RecordFiles,
+    SequenceSource,
+    write_records,
+)
 from lightning_loaders.testing import check_resume_at_every_step, run_epochs, to_plain
 from tests.conftest import loader_processes
 from tests.lightning_harness import check_trainer_resume
@@ -665,16 +670,33 @@ def _shard(shard: int) -> list[int]:
     return list(range(10 * shard, 10 * shard + 10))
 
 
-@pytest.mark.parametrize("rng_free", [False, True])
-def test_auto_takes_processes_for_a_source_whose_shards_read_under_rng_states_of_their_own(
-        rng_free: bool) -> None:
-    """A source with ``own_rngs`` reads each shard under global-RNG states of its own, which
-    threads would take turns at: ``auto`` takes processes for it at once, and probes threads
-    only for a source that declares it never draws (or that seeks)."""
-    source = GeneratorSource(_shard, range(4), lengths=[10] * 4, rng_free=rng_free)
-    loader = ResumableLoader(source, batch_size=2, num_workers=2, backend="auto")
-    assert (loader.backend_in_use == "process") is not rng_free  # chosen before the probe
-    assert sorted(i for batch in loader for i in batch.tolist()) == list(range(40))
+def _records(directory: Path) -> list[Path]:
+    paths = [directory / f"{shard}.rec" for shard in range(4)]
+    for shard, path in enumerate(paths):
+        write_records(path, (str(row).encode() for row in _shard(shard)))
+    return paths
+
+
+SOURCES = {  # a source, and whether auto must take processes for it at once
+    "drawing generator": (lambda _: GeneratorSource(_shard, range(4), lengths=[10] * 4), True),
+    "rng_free generator": (lambda _: GeneratorSource(_shard, range(4), lengths=[10] * 4,
+                                                     rng_free=True), False),
+    "records, a decode": (lambda d: RecordFiles(_records(d), lengths="scan", decode=int), True),
+    "records": (lambda d: RecordFiles(_records(d), lengths="scan"), False),
+}
+
+
+@pytest.mark.parametrize("name", list(SOURCES))
+def test_auto_takes_processes_for_a_source_that_may_draw_from_the_global_rngs(
+        tmp_path: Path, name: str) -> None:
+    """A source that may draw from the global RNGs (not ``rng_free``) reads under RNG states
+    of its own (threads would take turns at them) or, when it seeks, under each batch's
+    seeding (which threads leave alone: its draws would change with the backend): ``auto``
+    takes processes for it at once, and probes threads only for a source that never draws."""
+    make, processes = SOURCES[name]
+    loader = ResumableLoader(make(tmp_path), batch_size=2, num_workers=2, backend="auto")
+    assert (loader.backend_in_use == "process") is processes  # chosen before any probe
+    assert sorted(int(i) for batch in loader for i in batch) == list(range(40))
     loader.close()
 
 

@@ -54,7 +54,8 @@ def slow_shard(shard: tuple[int, int], start: int) -> Iterator[dict[str, Any]]:
 
 def sharded_source() -> GeneratorSource[dict[str, Any]]:
     shards = [(0, 7), (7, 5), (12, 9), (21, 6)]
-    return GeneratorSource(slow_shard, shards, lengths=[n for _, n in shards], seekable=True)
+    return GeneratorSource(slow_shard, shards, lengths=[n for _, n in shards], seekable=True,
+                           rng_free=True)  # draws nothing: backend="auto" may probe threads
 
 
 def factory(kind: str, num_workers: Any, n: int = 36, backend: str = "process"

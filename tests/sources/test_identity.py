@@ -116,3 +116,25 @@ def test_wide_rows_are_read_from_arrow_buffers_and_match_across_widths() -> None
     changed = values.copy()
     changed[-1, -1] += 1
     assert content_identity(speech(changed, pa.ListArray)) != wide
+
+
+def _table_identity(**columns: Any) -> str | None:
+    return content_identity(TableDataset(pa.table(columns)))
+
+
+def test_other_arrow_types_of_the_same_values_read_alike_and_other_values_do_not() -> None:
+    """A list view holds what a list holds; a media path stored as ``large_string`` still
+    counts by its file name; a ``uint64`` past int64's range is not the negative number its
+    bits would make."""
+    lists = [[1.0, 2.0], [3.0]]
+    assert (_table_identity(x=pa.array(lists, pa.list_(pa.float32())))
+            == _table_identity(x=pa.array(lists, pa.list_view(pa.float64()))))
+    media = [("bytes", pa.binary()), ("path", pa.string())]
+    wide = [("bytes", pa.binary()), ("path", pa.large_string())]
+    assert (_table_identity(img=pa.array([{"bytes": None, "path": "/a/x.png"}], pa.struct(media)))
+            == _table_identity(img=pa.array([{"bytes": None, "path": "/b/x.png"}],
+                                            pa.struct(wide))))
+    assert (_table_identity(x=pa.array([2**64 - 1, 1], pa.uint64()))
+            != _table_identity(x=pa.array([-1, 1], pa.int64())))
+    assert (_table_identity(x=pa.array([5, 1], pa.uint64()))
+            == _table_identity(x=pa.array([5, 1], pa.int32())))

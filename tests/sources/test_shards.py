@@ -356,6 +356,8 @@ def test_sources_that_seek_or_never_draw_read_under_each_batchs_seeding(tmp_path
     seeking = [RecordFiles(paths, decode=bytes.decode), LineFiles(_lines(tmp_path, [2])),
                SequenceSource([_Squares()]), GeneratorSource(_generate, [3], seekable=True)]
     assert all(source.seeks for source in seeking)
+    assert not any(source.rng_free for source in seeking[::2])  # a decode, a dataset: may draw
+    assert RecordFiles(paths).rng_free and SequenceSource([[1, 2], np.arange(3)]).rng_free
     assert GeneratorSource(_generate, [3], rng_free=True).rng_free
     for source in (GeneratorSource(_generate, [3]), _EagerlyShuffled()):
         assert not (source.seeks or source.rng_free), type(source).__name__
