@@ -388,7 +388,10 @@ def test_ddp_checkpoints_hold_every_ranks_window_and_resume_each_rank(tmp_path: 
 
 class GatedShards(ShardedSource[int]):
     """``shards`` shards of ``size`` samples (sample ``i`` is ``i``); the samples in ``gated``
-    wait until the file ``gate`` exists (the shards open mid-shard at ``start``)."""
+    wait until the file ``gate`` exists (the shards open mid-shard at ``start``). It draws
+    nothing: worker threads read it at once, not one at a time."""
+
+    rng_free = True
 
     def __init__(self, gate: str, gated: frozenset[int], shards: int = 4, size: int = 6) -> None:
         self.gate, self.gated, self.size = gate, gated, size
