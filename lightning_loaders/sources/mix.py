@@ -135,7 +135,7 @@ class Mix(Dataset[Any]):
 
 class _ShardRows:
     """A ``ShardedSource`` with known shard lengths, read by random access: sample ``i`` is
-    read by opening its shard at its offset."""
+    read by opening its shard at its offset (``ShardedSource.sample_at``)."""
 
     def __init__(self, source: ShardedSource[Any], lengths: Sequence[int]) -> None:
         self.source = source
@@ -148,17 +148,12 @@ class _ShardRows:
     def __getitem__(self, index: int) -> Any:
         shard = bisect.bisect_right(self._starts, index) - 1
         offset = index - self._starts[shard]
-        rows = self.source.open_shard(shard, offset)
         try:
-            return next(iter(rows))
+            return self.source.sample_at(shard, offset)
         except StopIteration:
             raise ValueError(f"shard {shard} of the {type(self.source).__name__} ended before "
                              f"sample {offset}, which its declared length promises: fix the "
                              "source's shard_lengths") from None
-        finally:
-            close = getattr(rows, "close", None)
-            if callable(close):
-                close()
 
 
 def _random_access(source: Any, k: int) -> Any:

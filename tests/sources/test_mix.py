@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import random
 from pathlib import Path
 from typing import Any
 
@@ -339,3 +340,29 @@ def test_members_that_draw_from_sample_rng_get_their_sample_context(backend: str
     alone = batches(num_workers=0)
     assert len({draw for batch in alone for _, draw in batch}) == 10
     assert batches(backend=backend, num_workers=num_workers) == alone
+
+
+def _shuffled_shard(shard: int) -> Any:
+    """A shard's 10 rows, shuffled with the global ``random`` as it opens, each with a draw of
+    numpy's (an augmentation)."""
+    rows = list(range(shard * 10, shard * 10 + 10))
+    random.shuffle(rows)
+    return ((row, int(np.random.randint(2**30))) for row in rows)
+
+
+def _mixed_with_a_shuffling_generator(num_workers: int) -> ResumableLoader:
+    source = GeneratorSource(_shuffled_shard, [0, 1, 2], lengths=[10] * 3)
+    mix = Mix([source, [(1000 + i, 0) for i in range(30)]], weights=[1, 1], mode="stop")
+    return ResumableLoader(mix, batch_size=5, seed=0, num_workers=num_workers, collate_fn=list)
+
+
+def test_a_generator_drawing_its_shards_order_is_read_by_random_access_once_per_sample() -> None:
+    """A ``Mix`` reads sample ``i`` of a source by opening its shard at its offset: a shard
+    shuffled with the global RNGs was another permutation at every read (5 of 27 samples
+    repeated in an epoch). Each read opens it under the RNGs seeded from the shard alone: every
+    sample once, with the same draws, at every resume and under another ``num_workers``."""
+    workers = iter([0, 2, 2])
+    full = check_resume_at_every_step(lambda: _mixed_with_a_shuffling_generator(
+        next(workers, 2)), epochs=1, key=list)
+    rows = [row for batch in full[0] for row, _ in batch if row < 1000]
+    assert sorted(rows) == list(range(30))
