@@ -66,6 +66,8 @@ _log = logging.getLogger(__name__)
 _SKIPPED = "skipped"  # the part: samples skipped under on_error="skip" so far
 _DATASET = "dataset"  # the part: the dataset's own state_dict(), when it has one
 _NOTHING = object()  # a batch whose samples were all skipped: nothing to deliver
+_MIX_RNGS = ("a Mix source reads its samples under global-RNG states of their own (a "
+             "ShardedSource that is neither rng_free nor seeks), which threads share")
 
 
 class MapStyleLoader(ResumableLoader):
@@ -104,7 +106,9 @@ class MapStyleLoader(ResumableLoader):
             unbatched, options = _unbatched(options, len(dataset), seed)
         self.last_batch: LastBatch = resolve_last_batch(options.last_batch, options.drop_last)
         options = _placed(options)
-        self._take_options(dataset, options, drop_last=self.last_batch == "drop")
+        own_rngs = isinstance(dataset, Mix) and dataset.own_rngs
+        self._take_options(dataset, options, drop_last=self.last_batch == "drop",
+                           process_wide=_MIX_RNGS if own_rngs else None, turns=own_rngs)
         plan_batch_size = self.batch_size
         if unbatched:
             self.batch_size = None  # type: ignore[assignment]  # DataLoader's surface

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset, IterableDataset
 
+from lightning_loaders.context import sample_context
 from lightning_loaders.hashing import checked_seed
 from lightning_loaders.orders.mix import MixMode, MixOrder, WeightSchedule
 from lightning_loaders.sources.shards import ShardedSource
@@ -126,6 +127,13 @@ class Mix(Dataset[Any]):
                 out[slot] = sample
         return out
 
+    @property
+    def own_rngs(self) -> bool:
+        """Whether a source's samples are read under global-RNG states of their own (a
+        ``ShardedSource`` with ``own_rngs``), which worker threads would take turns at."""
+        return any(isinstance(member, _ShardRows) and member.source.own_rngs
+                   for member in self.sources)
+
     def __repr__(self) -> str:
         order = self.order
         kinds = ", ".join(type(m.source if isinstance(m, _ShardRows) else m).__name__
@@ -149,7 +157,12 @@ class _ShardRows:
         shard = bisect.bisect_right(self._starts, index) - 1
         offset = index - self._starts[shard]
         try:
-            return self.source.sample_at(shard, offset)
+            context = sample_context()
+            seed, epoch = context.seed, context.epoch
+        except RuntimeError:  # indexed outside a loader's fetch
+            seed, epoch = 0, 0
+        try:
+            return self.source.sample_at(shard, offset, seed, epoch)
         except StopIteration:
             raise ValueError(f"shard {shard} of the {type(self.source).__name__} ended before "
                              f"sample {offset}, which its declared length promises: fix the "

@@ -130,12 +130,13 @@ class ShardedSource(IterableDataset[T]):
         return opened_under(lambda: iter(self.open_shard(index, start, state)),
                             _SHARD_TAG, seed, epoch, index)
 
-    def sample_at(self, index: int, start: int) -> T:
+    def sample_at(self, index: int, start: int, seed: int, epoch: int) -> T:
         """Sample ``start`` of shard ``index`` alone (random access, as a ``Mix`` reads a
         source): with ``own_rngs``, the shard is opened and read under the global RNGs seeded
-        from the shard alone (the caller's put back afterwards), so every sample of it comes
-        from one permutation, with the same draws, wherever and whenever it is read.
-        ``StopIteration`` when the shard ends before ``start``."""
+        from ``(seed, epoch, index)`` as ``open_reading`` opens it (the caller's put back
+        afterwards), so every sample of it in an epoch comes from one permutation, with the
+        same draws, wherever and whenever it is read. ``StopIteration`` when the shard ends
+        before ``start``."""
         def first() -> T:
             rows = iter(self.open_shard(index, start))
             try:
@@ -145,7 +146,7 @@ class ShardedSource(IterableDataset[T]):
                 if callable(close):
                     close()
 
-        return opened_under(first, _SHARD_TAG, index)[0] if self.own_rngs else first()
+        return opened_under(first, _SHARD_TAG, seed, epoch, index)[0] if self.own_rngs else first()
 
     def describe_shard(self, index: int) -> str:
         """Shard ``index`` as errors name it: with its file, when its descriptor is a path."""

@@ -350,19 +350,39 @@ def _shuffled_shard(shard: int) -> Any:
     return ((row, int(np.random.randint(2**30))) for row in rows)
 
 
-def _mixed_with_a_shuffling_generator(num_workers: int) -> ResumableLoader:
+def _mixed_with_a_shuffling_generator(num_workers: int, seed: int = 0, **kwargs: Any
+                                      ) -> ResumableLoader:
     source = GeneratorSource(_shuffled_shard, [0, 1, 2], lengths=[10] * 3)
     mix = Mix([source, [(1000 + i, 0) for i in range(30)]], weights=[1, 1], mode="stop")
-    return ResumableLoader(mix, batch_size=5, seed=0, num_workers=num_workers, collate_fn=list)
+    return ResumableLoader(mix, batch_size=5, seed=seed, num_workers=num_workers,
+                           collate_fn=list, **kwargs)
 
 
 def test_a_generator_drawing_its_shards_order_is_read_by_random_access_once_per_sample() -> None:
     """A ``Mix`` reads sample ``i`` of a source by opening its shard at its offset: a shard
     shuffled with the global RNGs was another permutation at every read (5 of 27 samples
-    repeated in an epoch). Each read opens it under the RNGs seeded from the shard alone: every
-    sample once, with the same draws, at every resume and under another ``num_workers``."""
+    repeated in an epoch). Each read opens it under the RNGs seeded from the seed, the epoch
+    and the shard: every sample once, with the same draws at every resume and under another
+    ``num_workers``, and other draws in another epoch or under another seed."""
     workers = iter([0, 2, 2])
     full = check_resume_at_every_step(lambda: _mixed_with_a_shuffling_generator(
-        next(workers, 2)), epochs=1, key=list)
-    rows = [row for batch in full[0] for row, _ in batch if row < 1000]
-    assert sorted(rows) == list(range(30))
+        next(workers, 2)), epochs=2, key=list)
+    for epoch in full:
+        assert sorted(row for batch in epoch for row, _ in batch if row < 1000) == list(range(30))
+
+    def draws(epochs: list) -> list[dict[int, int]]:
+        return [{row: draw for batch in epoch for row, draw in batch if row < 1000}
+                for epoch in epochs]
+
+    assert draws(full)[0] != draws(full)[1]
+    other_seed = run_epochs(_mixed_with_a_shuffling_generator(0, seed=1), range(1), key=list)
+    assert draws(other_seed)[0] != draws(full)[0]
+
+
+def test_auto_takes_processes_and_threads_warn_for_a_mix_of_a_source_with_own_rngs() -> None:
+    """A ``Mix`` member read under global-RNG states of its own makes worker threads take
+    turns, and lose the training loop's draws meanwhile, as the iterable path does."""
+    with _mixed_with_a_shuffling_generator(2, backend="auto") as auto:
+        assert auto.backend_in_use == "process"
+    with pytest.warns(UserWarning, match="worker threads: a Mix source .*backend='process'"):
+        _mixed_with_a_shuffling_generator(2, backend="thread").close()
