@@ -103,7 +103,7 @@ def _column(array: Any) -> Any:
         return "numbers", nulls, digest(_numbers(_spread(array)))
     if _is_text(kind):
         return "str", nulls, *_lengths_and_bytes(array)
-    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+    if _is_bytes(kind):
         return "bytes", nulls, *_lengths_and_bytes(array)
     if any(getattr(pa.types, name, lambda _: False)(kind) for name in _LIST_TYPES):
         lengths = pc.list_value_length(array).fill_null(0)
@@ -142,14 +142,32 @@ def _numbers(array: Any) -> np.ndarray:
 def _is_text(kind: Any) -> bool:
     import pyarrow as pa
 
-    return bool(pa.types.is_string(kind) or pa.types.is_large_string(kind))
+    return bool(pa.types.is_string(kind) or pa.types.is_large_string(kind) or _is_view(kind))
+
+
+def _is_bytes(kind: Any) -> bool:
+    import pyarrow as pa
+
+    return bool(pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+                or _is_view(kind, "is_binary_view"))
+
+
+def _is_view(kind: Any, predicate: str = "is_string_view") -> bool:
+    """Whether ``kind`` is a string (or with ``"is_binary_view"``, binary) view, where this
+    pyarrow has them."""
+    import pyarrow as pa
+
+    return bool(getattr(pa.types, predicate, lambda _: False)(kind))
 
 
 def _lengths_and_bytes(array: Any) -> tuple[str, str]:
     """The digests of the lengths of a string or binary array's values, and of their bytes
-    (``_spread``), read from its Arrow buffers."""
+    (``_spread``), read from its Arrow buffers (a view cast whole first: ``take`` has no
+    kernel for views)."""
     import pyarrow as pa
 
+    if _is_view(array.type) or _is_view(array.type, "is_binary_view"):
+        array = array.cast(pa.large_binary())
     sample = _spread(array).cast(pa.large_binary())
     _, offsets, data = sample.buffers()
     ends = np.frombuffer(offsets, dtype=np.int64)[sample.offset:sample.offset + len(sample) + 1]

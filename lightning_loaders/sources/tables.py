@@ -32,7 +32,9 @@ class TableDataset(Dataset[dict[str, Any]]):
         table: a ``pyarrow.Table`` or ``RecordBatch``, a pandas ``DataFrame`` or a polars
             ``DataFrame``. pandas and polars frames are converted to Arrow once, here (a copy
             for pandas; the frame's index is not a column). Columns split into several chunks
-            are made contiguous once, so that numeric columns are numpy views of Arrow memory.
+            are made contiguous once, so that numeric columns are numpy views of Arrow memory,
+            and string and binary views (Arrow's ``string_view``, ``binary_view``, which its
+            ``take`` cannot gather) are cast once to large strings and binaries.
         columns: the columns a sample holds, in this order (default: all of them).
     """
 
@@ -40,7 +42,7 @@ class TableDataset(Dataset[dict[str, Any]]):
         arrow = _as_arrow(table)
         self.columns: list[str] = check_columns(columns, list(arrow.column_names),
                                                 f"the {type(table).__name__}")
-        self.table = arrow.select(self.columns).combine_chunks()
+        self.table = _takeable(arrow.select(self.columns).combine_chunks())
         self._arrays = _numeric_arrays(self.table)
 
     def __len__(self) -> int:
@@ -158,6 +160,45 @@ def _as_arrow(table: Any) -> Any:
     hint = " (call .collect() on a polars LazyFrame first)" if kind.__name__ == "LazyFrame" else ""
     raise TypeError(f"TableDataset takes a pyarrow Table or RecordBatch, a pandas DataFrame or a "
                     f"polars DataFrame, got {kind.__module__}.{kind.__name__}{hint}")
+
+
+def _takeable(table: Any) -> Any:
+    """``table`` with its string and binary views cast to large strings and binaries, also
+    inside lists, structs, maps and dictionaries: Arrow's ``take`` has no kernel for them
+    (pyarrow 26). List views are left as they are: ``take`` gathers them whole, and casting
+    them to lists makes invalid arrays (pyarrow 26)."""
+    import pyarrow as pa
+
+    schema = pa.schema([field.with_type(_without_views(field.type)) for field in table.schema],
+                       metadata=table.schema.metadata)
+    return table if schema.equals(table.schema) else table.cast(schema)
+
+
+def _without_views(kind: Any) -> Any:
+    """``kind`` with ``string_view`` and ``binary_view`` made ``large_string`` and
+    ``large_binary`` (see ``_takeable``)."""
+    import pyarrow as pa
+
+    types = pa.types
+    if getattr(types, "is_string_view", lambda _: False)(kind):
+        return pa.large_string()
+    if getattr(types, "is_binary_view", lambda _: False)(kind):
+        return pa.large_binary()
+    if types.is_list(kind) or types.is_large_list(kind):
+        make = pa.list_ if types.is_list(kind) else pa.large_list
+        return make(kind.value_field.with_type(_without_views(kind.value_type)))
+    if types.is_fixed_size_list(kind):
+        return pa.list_(kind.value_field.with_type(_without_views(kind.value_type)),
+                        kind.list_size)
+    if types.is_map(kind):
+        return pa.map_(kind.key_field.with_type(_without_views(kind.key_type)),
+                       kind.item_field.with_type(_without_views(kind.item_type)),
+                       kind.keys_sorted)
+    if types.is_struct(kind):
+        return pa.struct([field.with_type(_without_views(field.type)) for field in kind])
+    if types.is_dictionary(kind):
+        return pa.dictionary(kind.index_type, _without_views(kind.value_type), kind.ordered)
+    return kind
 
 
 def check_columns(columns: Sequence[str] | None, available: list[str], where: str) -> list[str]:

@@ -123,9 +123,10 @@ def _table_identity(**columns: Any) -> str | None:
 
 
 def test_other_arrow_types_of_the_same_values_read_alike_and_other_values_do_not() -> None:
-    """A list view holds what a list holds; a media path stored as ``large_string`` still
-    counts by its file name; a ``uint64`` past int64's range is not the negative number its
-    bits would make."""
+    """A list view holds what a list holds, and a string or binary view what a string or
+    binary holds (also past the values one array is read at); a media path stored as
+    ``large_string`` still counts by its file name; a ``uint64`` past int64's range is not the
+    negative number its bits would make."""
     lists = [[1.0, 2.0], [3.0]]
     assert (_table_identity(x=pa.array(lists, pa.list_(pa.float32())))
             == _table_identity(x=pa.array(lists, pa.list_view(pa.float64()))))
@@ -138,3 +139,9 @@ def test_other_arrow_types_of_the_same_values_read_alike_and_other_values_do_not
             != _table_identity(x=pa.array([-1, 1], pa.int64())))
     assert (_table_identity(x=pa.array([5, 1], pa.uint64()))
             == _table_identity(x=pa.array([5, 1], pa.int32())))
+    wide = [[f"v{i}" for i in range(70_000)], ["w"]]  # more values than one array is read at
+    assert (_table_identity(x=pa.array(wide, pa.list_view(pa.string_view())))
+            == _table_identity(x=pa.array(wide, pa.list_(pa.string()))))
+    assert (_table_identity(x=pa.array([[b"a"]], pa.list_view(pa.binary_view())))
+            == _table_identity(x=pa.array([[b"a"]], pa.list_(pa.binary())))
+            != _table_identity(x=pa.array([["a"]], pa.list_(pa.string()))))
