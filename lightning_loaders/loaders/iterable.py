@@ -355,6 +355,8 @@ class ResumableIterableLoader(ResumableLoader):
                 schedule.delivered(item, last)
             yield item.data
         schedule.finish()
+        if schedule.open_tail():  # a restored epoch had nothing left: the next one follows
+            yield from self._open_epoch()
 
     def _received(self) -> Iterator[Delivered]:
         """Batches in plan order as the workers answer, skipping the slots' end markers;

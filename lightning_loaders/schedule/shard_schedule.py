@@ -13,7 +13,7 @@ import torch.distributed as dist
 from lightning_loaders.collectives import agree_range, gather_by_rank, group_size
 from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.placement import resolve_rank_world
-from lightning_loaders.schedule.epochs import EpochOwner, warn_past_len
+from lightning_loaders.schedule.epochs import EpochOwner, still_draining, warn_past_len
 from lightning_loaders.schedule.partition_plan import advanced, deal, uses_partitions
 from lightning_loaders.schedule.requests import (
     SKIP,
@@ -66,6 +66,7 @@ class IterableSchedule(EpochOwner):
         self._start_batches = 0
         self._undo: deque[tuple[int, Cursor]] = deque(maxlen=8)
         self._head: tuple[int, int, int] | None = None  # epoch, slot, its plain stream's head
+        self._open_tail = False  # a restored epoch that may have no batch left (see open_tail)
 
     @property
     def known(self) -> bool:
@@ -104,6 +105,27 @@ class IterableSchedule(EpochOwner):
         return self.requested_partitions or self.placement[1] * self.slots
 
     # -- epochs -----------------------------------------------------------------------------
+
+    def begin_epoch(self) -> None:
+        """``EpochOwner.begin_epoch``; also notes a restored mid-epoch state of unknown length
+        that continues its epoch (see ``open_tail``)."""
+        pending = self._pending
+        declared = pending is not None and self._declared_for is pending
+        trainer = self._trainer_epoch
+        super().begin_epoch()
+        self._open_tail = (pending is not None and not self.known and not pending.abandoned
+                           and pending.batches > 0 and (self.epoch, self.batches)
+                           == (pending.epoch, pending.batches) and not self.ended
+                           and not still_draining(trainer if declared else None, self._owner))
+
+    def open_tail(self) -> bool:
+        """Whether the epoch just finished was a restored state's rest that held no batch: a
+        state saved after the epoch's last batch that could not know it was the last (with
+        unknown lengths, ``"drop"`` leaves a short batch unread, so the slots had not hit their
+        end). The uninterrupted run's next ``iter()`` would begin the next epoch: so does the
+        caller, at once. Read once (it resets)."""
+        tail, self._open_tail = self._open_tail, False
+        return tail
 
     def _has_rest(self) -> bool:
         return not self.ended
@@ -172,6 +194,7 @@ class IterableSchedule(EpochOwner):
             self.ended = self.batches >= self.layout.num_batches
             return
         assert item is not None and item.cursor is not None
+        self._open_tail = False
         self._undo.append((item.slot, self.cursors[item.slot]))
         self.cursors[item.slot] = item.cursor
         self.ended = last or all(cursor.exhausted for cursor in self.cursors)

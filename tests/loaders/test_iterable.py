@@ -323,6 +323,32 @@ def test_a_cursor_after_the_last_batch_starts_the_next_epoch_even_with_unknown_l
     assert [flat(b) for b in resumed] == expected[1]
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_after_the_last_batch_dropping_a_short_one_starts_the_next_epoch(workers
+                                                                                ) -> None:
+    """With unknown lengths ``"drop"`` leaves a short batch unread, so the state after the
+    epoch's last batch says it has not ended; resumed, the next epoch still follows at once
+    (not an empty epoch first), unless the epoch is declared again after the restore."""
+    def make():
+        return ResumableLoader(UnknownLengths(_ids([7, 6])), batch_size=4, shuffle=True,
+                               seed=4, num_workers=workers, last_batch="drop")
+
+    expected = run_epochs(make(), range(3), key=flat)
+    state = _partial_state(make, len(expected[0]))
+    assert not state["parts"]["slots"]["ended"]
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [[flat(b) for b in resumed], [flat(b) for b in resumed]] == expected[1:]
+    assert resumed.epoch == 2
+    resumed.close()
+    draining = make()
+    draining.load_state_dict(state)
+    set_epoch(draining, 0)
+    assert [flat(b) for b in draining] == []
+    assert [flat(b) for b in draining] == expected[1] and draining.epoch == 1
+    draining.close()
+
+
 def test_iter_alone_starts_nothing_and_close_leaves_no_process(record_files) -> None:
     loader = ResumableLoader(RecordFiles(record_files, decode=decode), batch_size=4,
                              num_workers=2)
@@ -600,6 +626,22 @@ def test_ddp_two_ranks_cover_every_record_once_with_equal_counts_and_resume(
             assert len(rank["resumes"]) >= 3
             for step, after in rank["resumes"].items():
                 assert after == full[int(step):], f"{run}: resume from step {step} diverged"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="gloo DDP on CPU")
+def test_ddp_state_after_an_epoch_dropping_short_batches_resumes_into_the_next_epoch(
+        tmp_path) -> None:
+    """Real 2-rank gloo DDP, a plain loop: the ranks agree on the epoch's end at run time and
+    ``"drop"`` leaves a short batch unread, so rank 0's state after epoch 0's last batch says
+    it has not ended; both ranks resume straight into epoch 1 (no empty epoch, no hang)."""
+    script = REPO / "tests" / "scripts" / "iterable_epoch_end_ddp.py"
+    runs = run_ddp(script, ["--workers", "0", "--workers", "2"], tmp_path / "out")
+    for workers, per_epoch in (("0", 6), ("2", 12)):
+        for rank in runs:
+            run = rank[workers]
+            assert [len(epoch) for epoch in run["full"]] == [per_epoch] * 3
+            assert not run["ended"]
+            assert run["resumed"] == [[run["full"][1], 1], [run["full"][2], 2]]
 
 
 class _Growing(IterableDataset):
