@@ -7,6 +7,10 @@ batches). What users and Lightning see is the same for all of them and lives her
   first ``next()`` (Lightning calls ``iter()`` once extra during setup); threads take turns:
   an ``iter()`` waits for a ``next()`` in flight in another thread (the engine, the slots and
   the schedule are driven by one iterator at a time), which then raises at its next ``next()``;
+  ``close()``, ``state_dict()`` and ``load_state_dict()`` from another thread (a checkpoint or
+  watchdog thread, a teardown path) wait for it too, so a state is always taken between two
+  batches; called from one of the loader's own worker threads (inside the dataset), where
+  the iterating thread may be waiting for that very fetch, they raise ``RuntimeError``;
 - a batch is counted when it is handed to the caller, never when it is prefetched, and batches
   a prefetching trainer holds are left out of ``state_dict()``;
 - ``sampler.set_epoch`` (what Lightning calls), ``epoch``, ``len()``; the ``set_epoch`` of a
@@ -25,12 +29,13 @@ yields plain batches).
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, Self
+from typing import Any, Protocol, Self, TypeVar, cast
 
 from torch.utils.data import SequentialSampler
 
@@ -81,11 +86,41 @@ class Schedule(Protocol):
     def restoring(self) -> bool: ...
 
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+_SERIALIZED = ("close", "state_dict", "load_state_dict")
+"""The loader methods whose whole call holds ``_serial`` (``DeliveryCore.__init_subclass__``)."""
+
+
+def _serialized(method: _Method) -> _Method:
+    """``method`` of a loader, run holding the loader's ``_serial`` lock: from another thread
+    it waits for a ``next()`` or ``iter()`` in flight, so that it never sees (or changes) an
+    epoch half begun or a batch half counted. Refused in one of the loader's own worker
+    threads, which the lock's holder may be waiting for."""
+
+    @functools.wraps(method)
+    def serialized(self: DeliveryCore, *args: Any, **kwargs: Any) -> Any:
+        thread = self._own_worker_thread()
+        if thread is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}.{method.__name__}() was called from the loader's own "
+                f"worker thread {thread!r} (in the dataset or collate_fn, backend='thread'), "
+                "where the thread iterating the loader may be waiting for this very fetch: "
+                "call it from the thread that iterates (the training loop, a callback), or "
+                "raise an exception in the dataset to end the epoch (the loader then stops its "
+                "workers)")
+        with self._serial():
+            return method(self, *args, **kwargs)
+
+    return cast(_Method, serialized)
+
+
 class DeliveryCore:
     """The loader surface shared by every loader (see the module docstring).
 
     A subclass sets ``schedule``, ``seed`` and ``sampler`` (and ``_user_samplers``, when the
-    user passed samplers) and implements ``_open_epoch``, ``_reopen`` and ``_describe``.
+    user passed samplers) and implements ``_open_epoch``, ``_reopen`` and ``_describe``. Its
+    own ``close``, ``state_dict`` and ``load_state_dict`` are wrapped as this class's are
+    (``_serialized``): each whole call holds ``_serial``.
     """
 
     schedule: Schedule
@@ -96,6 +131,12 @@ class DeliveryCore:
     _generation = 0  # bumped by close(): iterators then go on from the cursor
     _prefetcher: weakref.ref[Any] | None = None
     _held: HeldNote | None = None  # what a prefetching fetcher holds (``note_held``)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in _SERIALIZED:
+            if name in cls.__dict__:
+                setattr(cls, name, _serialized(cls.__dict__[name]))
 
     def __iter__(self) -> Iterator[Any]:
         """A new iterator. Cheap: the epoch and the engine start at its first ``next()``.
@@ -136,6 +177,12 @@ class DeliveryCore:
             owned = self.__dict__["_lock"] = (pid, threading.RLock())
         return owned[1]
 
+    def _own_worker_thread(self) -> str | None:
+        """The name of the calling thread when it is one of this loader's worker threads
+        (``None`` otherwise): the thread iterating the loader may hold ``_serial`` while it
+        waits for that thread's fetch."""
+        return None
+
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (and copied) without the lock of ``_serial``."""
         return {name: value for name, value in self.__dict__.items() if name != "_lock"}
@@ -173,6 +220,7 @@ class DeliveryCore:
         or equal epoch, a later one abandons the cursor's unfinished epoch."""
         self.schedule.set_epoch(epoch)
 
+    @_serialized
     def state_dict(self) -> dict[str, Any]:
         """The cursor as a small plain dict (``lightning_loaders.state``), with this loader's
         own parts; batches a prefetching trainer holds are not counted, so a resume delivers
@@ -182,6 +230,7 @@ class DeliveryCore:
         state[PARTS] = {**state[PARTS], **self._parts(held)}
         return state
 
+    @_serialized
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a cursor; the next ``iter()`` continues exactly after its last batch. A
         state that cannot be restored changes nothing."""
@@ -193,6 +242,7 @@ class DeliveryCore:
             self._load_parts(state_dict[PARTS])
         self._held = None
 
+    @_serialized
     def close(self) -> None:
         """Stop the engine now; an iterator used afterwards goes on from the cursor."""
         self._generation += 1

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -177,7 +178,7 @@ class WorkerLoader(DeliveryCore):
 
     def close(self) -> None:
         """Shut the workers down now (they also stop when the loader is collected); worker
-        threads are joined.
+        threads are joined. From another thread, once the ``next()`` in flight has returned.
 
         Nothing is lost: an iterator used after ``close()`` starts new workers and continues
         from the cursor.
@@ -186,6 +187,12 @@ class WorkerLoader(DeliveryCore):
         super().close()
         if isinstance(pool, ThreadPool | ProcessPool):
             pool.close(wait=self._waits)
+
+    def _own_worker_thread(self) -> str | None:
+        pool, thread = self._pool, threading.current_thread()
+        if isinstance(pool, ThreadPool) and thread in pool.threads:
+            return thread.name
+        return None
 
     def _close_after_error(self) -> None:
         """``close()`` as an error leaves the loop: worker processes are killed at once (what

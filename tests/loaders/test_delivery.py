@@ -71,12 +71,16 @@ def test_every_way_of_stopping_stops_the_workers_and_loses_nothing(make, stop: s
 
 
 class _Gate:
-    """Process-shared events (forked workers inherit them): the fetch of sample ``sample``
-    sets ``entered`` and waits for ``release``."""
+    """Process-shared events (forked workers inherit them): the fetch of sample ``sample``,
+    once ``armed`` is set (at once unless ``armed=False``), sets ``entered`` and waits for
+    ``release``."""
 
-    def __init__(self, sample: int) -> None:
+    def __init__(self, sample: int, armed: bool = True) -> None:
         fork = multiprocessing.get_context("fork")
         self.sample, self.entered, self.release = sample, fork.Event(), fork.Event()
+        self.armed = fork.Event()
+        if armed:
+            self.armed.set()
 
 
 class _Gated(torch.utils.data.Dataset[int]):
@@ -90,7 +94,7 @@ class _Gated(torch.utils.data.Dataset[int]):
 
     def __getitem__(self, index: int) -> int:
         sample = self.start + index
-        if sample == self.gate.sample:
+        if sample == self.gate.sample and self.gate.armed.is_set():
             self.gate.entered.set()
             assert self.gate.release.wait(30), "the test never released the gated sample"
         return sample
@@ -204,3 +208,138 @@ def test_a_child_forked_while_a_thread_is_inside_next_reads_the_loader() -> None
         os.waitpid(child, 0)
         pytest.fail("the forked child hung on the lock its parent's thread held")
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _epochs(kind: str, workers: dict) -> list[list[list[int]]]:
+    """The batches of ``_gated`` loaders' first two epochs, read without a gate."""
+    released = _Gate(-1)
+    released.release.set()
+    with _gated(kind, released, **workers) as reference:
+        return [[batch.tolist() for batch in reference] for _ in range(2)]
+
+
+@pytest.mark.parametrize("call", ["state_dict", "close"])
+@pytest.mark.parametrize("workers", WORKERS.values(), ids=WORKERS.keys())
+@pytest.mark.parametrize("kind", ["map-style", "iterable"])
+def test_a_state_dict_or_close_from_another_thread_waits_for_the_next_in_flight(
+        kind: str, workers: dict, call: str) -> None:
+    """Thread A is inside the first ``next()`` of epoch 1 (the epoch being begun, its first
+    batch fetched) when thread B (a checkpoint or watchdog thread) calls ``state_dict()`` or
+    ``close()``: B's call waits for that batch to be handed over. The state resumes a fresh
+    loader exactly after it; after ``close()`` (its workers gone) A's iterator goes on from
+    the cursor. No hang, no internal error, no worker or shared-memory slot left."""
+    expected = _epochs(kind, workers)
+    released = _Gate(-1)
+    released.release.set()
+    segments_before = _ring_segments()
+    gate = _Gate(expected[1][0][0], armed=False)  # the first sample of epoch 1
+    loader = _gated(kind, gate, **workers)
+    got: list = []
+    states: list[dict] = []
+    b_returned, a_goes_on = threading.Event(), threading.Event()
+
+    def thread_a() -> None:
+        try:
+            got.extend(batch.tolist() for batch in loader)
+            gate.armed.set()
+            iterator = iter(loader)
+            got.append(next(iterator).tolist())
+            assert a_goes_on.wait(30)
+            got.extend(batch.tolist() for batch in iterator)
+        except Exception as exc:
+            got.append(f"{type(exc).__name__}: {exc}")
+
+    def thread_b() -> None:
+        try:
+            result = getattr(loader, call)()
+            states.append(result)
+        except Exception as exc:
+            states.append({"error": f"{type(exc).__name__}: {exc}"})
+        b_returned.set()
+
+    a = threading.Thread(target=thread_a, daemon=True)
+    b = threading.Thread(target=thread_b, daemon=True)
+    a.start()
+    assert gate.entered.wait(30)  # A is inside next(), fetching the first batch of epoch 1
+    b.start()
+    # a grace period, in which B's call must not get past A's next() in flight
+    overtook = b_returned.wait(0.5)
+    gate.release.set()
+    assert b_returned.wait(30), "B's call hung"
+    workers_after_b = loader_processes()
+    a_goes_on.set()
+    a.join(30)
+    assert not a.is_alive(), f"hung: {got}"
+    loader.close()
+    assert got == expected[0] + expected[1]
+    assert not overtook
+    if call == "state_dict":
+        state = states[0]
+        assert (state["epoch"], state["batches"]) == (1, 1)
+        with _gated(kind, released, **workers) as resumed:
+            resumed.load_state_dict(state)
+            assert [batch.tolist() for batch in resumed] == expected[1][1:]
+    else:
+        assert states == [None]
+        assert workers_after_b == []
+    assert loader_processes() == []
+    assert _ring_segments() <= segments_before
+
+
+class _CallsItsLoader(torch.utils.data.Dataset[int]):
+    """Samples ``start .. stop - 1``; fetching ``sample`` calls ``loader_call[0]()`` once."""
+
+    def __init__(self, start: int, stop: int, sample: int, loader_call: list) -> None:
+        self.start, self.stop, self.sample, self.loader_call = start, stop, sample, loader_call
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, index: int) -> int:
+        sample = self.start + index
+        if sample == self.sample and self.loader_call:
+            self.loader_call.pop()()
+        return sample
+
+
+@pytest.mark.parametrize("call", ["close", "state_dict", "load_state_dict"])
+@pytest.mark.parametrize("kind", ["map-style", "iterable"])
+def test_close_or_state_from_inside_the_dataset_on_a_worker_thread_is_refused(
+        kind: str, call: str) -> None:
+    """The dataset calls its loader's ``close()``, ``state_dict()`` or ``load_state_dict()``
+    on a worker thread (``backend="thread"``), which the thread iterating the loader may be
+    waiting for: the fetch fails with an error naming what to do instead (not a hang, not an
+    ``AssertionError``), and the loop goes on from the cursor, losing nothing."""
+    workers = {"num_workers": 2, "backend": "thread"}
+    expected = _epochs(kind, workers)[0]
+    loader_call: list = []
+    sample = expected[2][1]
+    data = (_CallsItsLoader(0, 24, sample, loader_call) if kind == "map-style"
+            else SequenceSource([_CallsItsLoader(0, 12, sample, loader_call),
+                                 _CallsItsLoader(12, 24, sample, loader_call)]))
+    loader = ResumableLoader(data, batch_size=4, shuffle=True, **workers)
+    state = loader.state_dict()
+    loader_call.append(lambda: getattr(loader, call)(*([state] if "load" in call else [])))
+    got: list = []
+
+    def iterate() -> None:
+        iterator = iter(loader)
+        while True:
+            try:
+                got.append(next(iterator).tolist())
+            except StopIteration:
+                return
+            except Exception as exc:
+                got.append(f"{type(exc).__name__}: {exc}")
+
+    reader = threading.Thread(target=iterate, daemon=True)
+    reader.start()
+    reader.join(60)
+    assert not reader.is_alive(), f"hung: {got}"
+    loader.close()
+    errors = [item for item in got if isinstance(item, str)]
+    assert len(errors) == 1
+    assert (f"{call}() was called from the loader's own worker thread 'lightning_loaders "
+            "worker") in errors[0]
+    assert "call it from the thread that iterates" in errors[0]
+    assert [item for item in got if not isinstance(item, str)] == expected
