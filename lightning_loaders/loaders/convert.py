@@ -14,7 +14,7 @@ from typing import Any
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from lightning_loaders.loaders.resumable import ResumableLoader
-from lightning_loaders.orders.from_torch import unbatched_sampler
+from lightning_loaders.orders.from_torch import sampler_seed, unbatched_sampler
 from lightning_loaders.schedule.map_schedule import resolve_seed
 
 __all__ = ["loader_arguments", "make_resumable"]
@@ -39,7 +39,8 @@ def make_resumable(loader: DataLoader[Any] | ResumableLoader, **overrides: Any
 
     The sampler becomes an exact equivalent computed from ``(seed, epoch, position)`` for
     torch's samplers, or is drawn once per epoch for any other sampler. The seed is, in order:
-    ``overrides["seed"]``, the loader's ``generator``, its sampler's ``generator``, then
+    ``overrides["seed"]``, the seed that orders the sampler in torch (its ``generator``'s, a
+    ``DistributedSampler``'s ``seed``), the loader's ``generator``'s, then
     ``$PL_GLOBAL_SEED`` (``seed_everything``), else 0, so it is the same on every rank.
     """
     if isinstance(loader, ResumableLoader):
@@ -70,6 +71,8 @@ def loader_arguments(loader: DataLoader[Any], seed: int | None = None) -> dict[s
                         "no __len__ and is no IterableDataset")
     sampler = loader.sampler if loader.batch_sampler is None else loader.batch_sampler
     generator = loader.generator or _sampler_generator(sampler)
+    if seed is None:  # the sampler's own seed orders it in torch, whatever the loader's is
+        seed = sampler_seed(sampler)
     workers = loader.num_workers > 0  # DataLoader ignores the worker settings without workers
     arguments: dict[str, Any] = {
         "dataset": dataset,

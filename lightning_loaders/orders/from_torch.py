@@ -22,6 +22,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
+from lightning_loaders.hashing import checked_seed
 from lightning_loaders.orders.base import SampleOrder, SequentialOrder, ShuffledOrder
 from lightning_loaders.orders.drawn import DrawnBatchOrder, DrawnOrder
 from lightning_loaders.orders.dynamic_weighted import DynamicWeightedSampler
@@ -37,6 +38,7 @@ __all__ = [
     "bulk_key",
     "order_from_sampler",
     "placement_from_sampler",
+    "sampler_seed",
     "sampler_signature",
     "unbatched_sampler",
 ]
@@ -108,6 +110,19 @@ def sampler_signature(sampler: Any) -> tuple[Any, ...]:
 def _identity(values: Any) -> tuple[int, int, int | None]:
     """Which sequence ``values`` is: a new one, or a tensor edited in place, differs."""
     return id(values), len(values), getattr(values, "_version", None)
+
+
+def sampler_seed(sampler: Any) -> int | None:
+    """The seed that orders ``sampler`` (or the sampler a batch sampler wraps) in torch: its
+    ``generator``'s initial seed, a ``DistributedSampler``'s ``seed``; ``None`` for a sampler
+    that draws from torch's global RNG or draws nothing."""
+    for candidate in (sampler, getattr(sampler, "sampler", None)):
+        generator = getattr(candidate, "generator", None)
+        if isinstance(generator, torch.Generator):
+            return int(generator.initial_seed())
+        if isinstance(candidate, DistributedSampler):
+            return checked_seed(candidate.seed, "DistributedSampler's seed")
+    return None
 
 
 class SamplerEpochs:

@@ -1,8 +1,11 @@
+from typing import Any
+
 import pytest
 import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
+    DistributedSampler,
     IterableDataset,
     RandomSampler,
     SequentialSampler,
@@ -69,17 +72,84 @@ def test_a_subclass_with_extra_required_arguments_converts() -> None:
     assert [indices(b) for b in make_resumable(source)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
 
 
-def test_the_seed_comes_from_the_loader_then_the_sampler_then_the_environment(monkeypatch):
+def test_the_seed_comes_from_the_sampler_then_the_loader_then_the_environment(monkeypatch):
     ds = IndexDataset(10)
     sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(5))
     assert make_resumable(DataLoader(ds, sampler=sampler)).seed == 5
     assert make_resumable(DataLoader(ds, sampler=sampler, batch_size=None)).seed == 5  # unbatched
     assert make_resumable(DataLoader(ds, batch_sampler=BatchSampler(sampler, 2, False))).seed == 5
     assert make_resumable(DataLoader(ds, sampler=sampler), seed=9).seed == 9
+    # torch orders by the sampler's generator; the loader's only seeds the workers then
+    loader_generator = torch.Generator().manual_seed(7)
+    assert make_resumable(DataLoader(ds, sampler=sampler, generator=loader_generator)).seed == 5
+    assert make_resumable(DataLoader(ds, generator=loader_generator)).seed == 7
     monkeypatch.setenv("PL_GLOBAL_SEED", "31")
     assert make_resumable(DataLoader(ds, shuffle=True)).seed == 31
     generator = torch.Generator().manual_seed(2)
     assert make_resumable(DataLoader(ds, shuffle=True), generator=generator).seed == 2
+
+
+def _distributed(ds: IndexDataset, seed: int = 0, **kwargs: Any) -> DistributedSampler:
+    return DistributedSampler(ds, **{"num_replicas": 1, "rank": 0, "seed": seed, **kwargs})
+
+
+def _stream(loader: Any) -> list[int]:
+    return [i for batch in loader for i in indices(batch)]
+
+
+def test_a_distributed_samplers_seed_keys_the_order(monkeypatch) -> None:
+    """As in torch, where ``DistributedSampler(seed=s)`` orders by ``s`` whatever
+    ``seed_everything`` or the loader's generator say (it read 0 for every seed: one order)."""
+    ds = IndexDataset(12)
+    monkeypatch.setenv("PL_GLOBAL_SEED", "31")
+    generator = torch.Generator().manual_seed(7)
+    streams = {}
+    for seed in (0, 123, 456):
+        for source in (DataLoader(ds, batch_size=4, sampler=_distributed(ds, seed)),
+                       DataLoader(ds, batch_size=4, sampler=_distributed(ds, seed),
+                                  generator=generator),
+                       DataLoader(ds, batch_sampler=BatchSampler(_distributed(ds, seed), 4,
+                                                                 False))):
+            ours = make_resumable(source)
+            assert ours.seed == seed
+            assert streams.setdefault(seed, _stream(ours)) == _stream(make_resumable(source))
+    assert len({tuple(stream) for stream in streams.values()}) == 3
+    assert all(sorted(stream) == list(range(12)) for stream in streams.values())
+
+
+def test_a_converted_distributed_sampler_keeps_shuffle_drop_last_and_set_epoch() -> None:
+    """``shuffle=False`` reads in order, ``drop_last=True`` drops the tail past equal shares
+    (every rank reads as many samples in batches of torch's sizes), and the epoch set on the
+    user's sampler is the epoch read, as ``DataLoader`` reads it."""
+    ds = IndexDataset(10)
+    plain = DataLoader(ds, batch_size=4, sampler=_distributed(ds, 5, shuffle=False))
+    assert [indices(b) for b in make_resumable(plain)] == [indices(b) for b in plain]
+    ranks = [[indices(b) for b in make(DataLoader(ds, batch_size=2, sampler=_distributed(
+        ds, 5, num_replicas=3, rank=rank, drop_last=True)))] for rank in range(3)
+        for make in (make_resumable, lambda loader: loader)]
+    assert [[len(b) for b in rank] for rank in ranks] == [[2, 1]] * 6
+    ours = [i for rank in ranks[::2] for b in rank for i in b]
+    assert len(ours) == len(set(ours)) == 9
+    sampler = _distributed(ds, 5)
+    loader = make_resumable(DataLoader(ds, batch_size=4, sampler=sampler))
+    epochs = []
+    for epoch in (3, 4):
+        sampler.set_epoch(epoch)
+        epochs.append(_stream(loader))
+        assert loader.epoch == epoch
+    sampler = _distributed(ds, 5)
+    sampler.set_epoch(4)
+    assert epochs[0] != epochs[1] == _stream(make_resumable(DataLoader(ds, batch_size=4,
+                                                                       sampler=sampler)))
+
+
+def test_a_converted_distributed_sampler_resumes_exactly() -> None:
+    def make() -> ResumableLoader:
+        return make_resumable(DataLoader(IndexDataset(11), batch_size=3,
+                                         sampler=_distributed(IndexDataset(11), 123)))
+
+    full = check_resume_at_every_step(make, epochs=2, key=indices)
+    assert make().seed == 123 and full[0] != full[1]
 
 
 def test_overrides_replace_what_they_contradict() -> None:
