@@ -69,9 +69,11 @@ def seed32(*values: int) -> int:
 def digest(value: Any) -> str:
     """A short content hash (16 hex digits) for fingerprints: a numpy array by its bytes and
     dtype, anything else by its ``repr`` (lists of names, lengths, configurations)."""
-    if isinstance(value, np.ndarray):
-        data = np.ascontiguousarray(value)
-        payload = data.tobytes() + str(data.dtype).encode()
-    else:
-        payload = repr(value).encode()
-    return hashlib.blake2b(payload, digest_size=8).hexdigest()
+    if not isinstance(value, np.ndarray):
+        return hashlib.blake2b(repr(value).encode(), digest_size=8).hexdigest()
+    data = np.ascontiguousarray(value)
+    hasher = hashlib.blake2b(digest_size=8)
+    hasher.update(data.tobytes() if data.dtype.hasobject
+                  else data.reshape(-1).view(np.uint8).data)
+    hasher.update(str(data.dtype).encode())  # as hashing bytes + dtype at once, without a copy
+    return hasher.hexdigest()

@@ -1,10 +1,13 @@
+import hashlib
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from lightning_loaders import DynamicWeightedSampler, Mix, ResumableLoader
-from lightning_loaders.hashing import checked_seed, mix64, mix64_after, seed32
+from lightning_loaders.hashing import checked_seed, digest, mix64, mix64_after, seed32
 
 words = st.lists(st.integers(-(2**70), 2**70), max_size=5)
 
@@ -44,3 +47,16 @@ def test_a_generator_that_is_no_torch_generator_is_refused_by_name() -> None:
     that named nothing."""
     with pytest.raises(TypeError, match="generator must be a torch.Generator .* got int"):
         ResumableLoader(list(range(4)), shuffle=True, generator=5)
+
+
+@pytest.mark.parametrize("array", [
+    np.arange(10), np.arange(12, dtype=np.int32).reshape(3, 4).T, np.array(5), np.zeros(0),
+    np.array(["ab", "c"]), np.array([1, "x"], dtype=object), np.linspace(0, 1, 7)[::2],
+    np.array([True, False]), np.array(["2026-11-25"], dtype="datetime64[D]")],
+    ids=["int64", "transposed", "0-d", "empty", "strings", "objects", "strided", "bools",
+         "dates"])
+def test_an_arrays_digest_hashes_its_bytes_then_its_dtype(array: np.ndarray) -> None:
+    """Read without a copy (half the time at 10^7 values), and what saved fingerprints hold."""
+    data = np.ascontiguousarray(array)
+    whole = hashlib.blake2b(data.tobytes() + str(data.dtype).encode(), digest_size=8)
+    assert digest(array) == whole.hexdigest()

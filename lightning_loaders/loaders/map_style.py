@@ -49,6 +49,7 @@ from lightning_loaders.orders.from_torch import (
     bulk_key,
     order_from_sampler,
     placement_from_sampler,
+    sampler_contents,
     sampler_signature,
     unbatched_sampler,
 )
@@ -283,7 +284,7 @@ class MapStyleLoader(ResumableLoader):
         between epochs. A batch sampler's epochs may differ in length: this is the length of
         the epoch being read, else of the one about to start (``MapSchedule.epoch_in_view``;
         under Lightning's fit loop, the epoch it is about to declare)."""
-        self._refresh_order()
+        self._refresh_order(contents=False)
         upcoming = fit_epoch()
         length = self.schedule.num_batches(upcoming=upcoming)
         if upcoming is not None:
@@ -328,23 +329,25 @@ class MapStyleLoader(ResumableLoader):
         if isinstance(self.dataset, Mix):
             self.dataset.order.follow(self.schedule.frontier)
 
-    def _refresh_order(self) -> None:
+    def _refresh_order(self, contents: bool = True) -> None:
         """Between epochs, follow a dataset whose ``len()`` changed, and a sampler changed in
-        place (``sampler_signature``), as ``DataLoader`` does, which reads both at every epoch:
-        the order is rebuilt, and when the dataset's length changed the workers, whose copies
-        of the dataset are stale, restart. A state restored at its epoch's end is followed by
-        the next epoch of the changed data too (one restored mid-epoch keeps its order)."""
+        place (``sampler_signature``, and with ``contents`` its indices or weights edited in
+        place, ``sampler_contents``: O(n), read at each epoch start, which ``len()`` leaves
+        out), as ``DataLoader`` does, which reads both at every epoch: the order is rebuilt,
+        and when the dataset's length changed the workers, whose copies of the dataset are
+        stale, restart. A state restored at its epoch's end is followed by the next epoch of
+        the changed data too (one restored mid-epoch keeps its order)."""
         schedule = self.schedule
         between = schedule.epoch is None or schedule.remaining <= len(self._window.ahead)
         if not between:
             return
-        key = self._order_key()
-        if key == self._order_read or len(self.dataset) < 1:
+        key, read = self._order_key(contents), self._order_read
+        if key == (read if contents else read[:-1] + (None,)) or len(self.dataset) < 1:
             return
         if self._restored and not schedule.abandon_finished_restore():
             return
-        resized = key[0] != self._order_read[0]
-        self._order_read = key
+        resized = key[0] != read[0]
+        self._order_read = key if contents else self._order_key()
         sampler, shuffle = self._order_source
         order = self._make_order(sampler, shuffle, len(self.dataset))
         schedule.order, schedule.dataset_len = order, len(order)
@@ -353,12 +356,13 @@ class MapStyleLoader(ResumableLoader):
             self.close()
             self._batch_fetcher = None
 
-    def _order_key(self) -> tuple[Any, ...]:
-        """What the order is read from: the dataset's length (when the order follows it) and
-        the sampler's signature."""
+    def _order_key(self, contents: bool = True) -> tuple[Any, ...]:
+        """What the order is read from: the dataset's length (when the order follows it), the
+        sampler's signature and, with ``contents``, the digest of its indices or weights."""
         sampler, _ = self._order_source
         follows = sampler is None or type(sampler) in (SequentialSampler, RandomSampler)
-        return (len(self.dataset) if follows else None, sampler_signature(sampler))
+        return (len(self.dataset) if follows else None, sampler_signature(sampler),
+                sampler_contents(sampler) if contents else None)
 
     def _reopen(self) -> Iterator[Any]:
         return self._deliver()

@@ -124,10 +124,14 @@ class RepeatedShuffleOrder:
 
 
 class SubsetOrder:
-    """``SubsetRandomSampler(indices)``: a new permutation of the subset in every epoch."""
+    """``SubsetRandomSampler(indices)``: a new permutation of the subset in every epoch. The
+    indices are copied: an edit of the user's array in place reaches the order when the loader
+    reads the sampler again between epochs, never in the middle of one."""
 
     def __init__(self, indices: Any, seed: int) -> None:
-        subset = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if hasattr(indices, "detach"):  # a tensor, as check_weights reads one
+            indices = indices.detach().cpu().numpy()
+        subset = np.array(indices, dtype=np.int64).reshape(-1)
         if subset.size == 0:
             raise ValueError("SubsetRandomSampler has no indices: an epoch would be empty")
         self.subset, self.seed = subset, seed

@@ -9,6 +9,7 @@ import inspect
 import multiprocessing
 import pickle
 import pydoc
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -380,6 +381,111 @@ def test_a_sampler_changed_between_epochs_is_followed(num_workers: int, via: str
         assert before_growing == {0, 1, 2}
         assert after[0] == {5, 6, 7, 8} and after[1] <= set(range(5, 10))
         assert after[2] == set(range(6))
+
+
+def _edited_in_place(kind: str) -> tuple[Any, Callable[[], None]]:
+    """A sampler over ``range(10)`` that reads samples below 5, and the edit in place (the
+    same length) after which it reads those from 5."""
+    if kind == "weights array":  # WeightedRandomSampler's tensor shares the user's array
+        weights = np.array([1.0] * 5 + [0.0] * 5)
+        return WeightedRandomSampler(weights, 6), lambda: weights.__setitem__(
+            slice(None), weights[::-1].copy())
+    values = {"list": [0, 1, 2, 3], "int32 array": np.arange(4, dtype=np.int32),
+              "int64 array": np.arange(4), "tensor": torch.arange(4),
+              "list sampler": [0, 1, 2, 3]}[kind]
+    sampler = values if kind == "list sampler" else SubsetRandomSampler(values)
+    edited = torch.arange(5, 9) if kind == "tensor" else [5, 6, 7, 8]
+    return sampler, lambda: values.__setitem__(slice(None), edited)
+
+
+@pytest.mark.parametrize("via", ["sampler", "batch_sampler"])
+@pytest.mark.parametrize("kind", ["list", "int32 array", "int64 array", "tensor", "weights array",
+                                  "list sampler"])
+def test_a_sampler_edited_in_place_between_epochs_is_followed(kind: str, via: str) -> None:
+    """Indices or weights edited in place under the same length (a curriculum) are read at
+    the next epoch, as ``DataLoader`` reads them (a list or an int32 array was not: epoch 1
+    read the old indices)."""
+    for make in (DataLoader, ResumableLoader):
+        sampler, edit = _edited_in_place(kind)
+        loader = make(RangeDataset(10), **_batched(sampler, 2, via))
+        before = {i for batch in loader for i in batch.tolist()}
+        edit()
+        after = {i for batch in loader for i in batch.tolist()}
+        assert before <= set(range(5)) and after <= set(range(5, 10)), (make, before, after)
+
+
+@pytest.mark.parametrize("change", ["reassigned", "edited in place"])
+def test_a_state_saved_before_an_edit_in_place_resumes_as_one_before_new_indices(
+        change: str) -> None:
+    """Restored mid-epoch, the epoch keeps its order and the next follows the edit; restored
+    at its end, the next epoch follows it: as for ``indices`` reassigned."""
+    def make() -> tuple[SubsetRandomSampler, ResumableLoader]:
+        sampler = SubsetRandomSampler([0, 1, 2, 3, 4, 5])
+        return sampler, ResumableLoader(RangeDataset(10), batch_size=2, sampler=sampler, seed=1)
+
+    def edit(sampler: SubsetRandomSampler) -> None:
+        if change == "reassigned":
+            sampler.indices = [4, 5, 6, 7, 8, 9]
+        else:
+            sampler.indices[:] = [4, 5, 6, 7, 8, 9]
+
+    sampler, loader = make()
+    iterator = iter(loader)
+    next(iterator)
+    middle = loader.state_dict()
+    rest = [batch.tolist() for batch in iterator]
+    end = loader.state_dict()
+    sampler, resumed = make()
+    resumed.load_state_dict(middle)
+    edit(sampler)
+    assert [batch.tolist() for batch in resumed] == rest
+    assert {i for batch in resumed for i in batch.tolist()} == set(range(4, 10))
+    sampler, resumed = make()
+    resumed.load_state_dict(end)
+    edit(sampler)
+    assert {i for batch in resumed for i in batch.tolist()} == set(range(4, 10))
+
+
+def _level(epoch: int) -> list[int]:
+    return [4 * epoch + i for i in range(6)]
+
+
+class _Curriculum:
+    """A training loop whose curriculum edits its sampler's indices in place at each epoch
+    (where Lightning calls ``loader.sampler.set_epoch``); a restarted run sets the restored
+    epoch's level before it builds its loader and loads the state."""
+
+    def __init__(self, array: bool) -> None:
+        self.indices: Any = np.array(_level(0), dtype=np.int32) if array else _level(0)
+        self.sampler = self
+        self._build()
+
+    def _build(self) -> None:
+        self.loader = ResumableLoader(RangeDataset(20), batch_size=4, seed=2,
+                                      sampler=SubsetRandomSampler(self.indices))
+
+    def set_epoch(self, epoch: int) -> None:
+        self.indices[:] = _level(epoch)
+        self.loader.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Any:
+        return iter(self.loader)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.indices[:] = _level(state["epoch"])
+        self._build()
+        self.loader.load_state_dict(state)
+
+
+@pytest.mark.parametrize("array", [False, True], ids=["list", "int32 array"])
+def test_a_curriculum_edited_in_place_resumes_exactly_at_every_step(array: bool) -> None:
+    full = check_resume_at_every_step(lambda: _Curriculum(array), epochs=3,
+                                      key=lambda batch: batch.tolist())
+    assert [sorted(i for batch in epoch for i in batch) for epoch in full] == [
+        _level(epoch) for epoch in range(3)]
 
 
 def test_a_sampler_that_did_not_change_keeps_its_workers() -> None:

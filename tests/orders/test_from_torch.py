@@ -16,7 +16,14 @@ from torch.utils.data import (
 from lightning_loaders import ResumableLoader
 from lightning_loaders.orders.base import SequentialOrder, ShuffledOrder
 from lightning_loaders.orders.drawn import DrawnBatchOrder, DrawnOrder
-from lightning_loaders.orders.from_torch import bulk_key, order_from_sampler, unbatched_sampler
+from lightning_loaders.orders.from_torch import (
+    bulk_key,
+    order_from_sampler,
+    sampler_contents,
+    sampler_seed,
+    sampler_signature,
+    unbatched_sampler,
+)
 from lightning_loaders.orders.random import (
     RepeatedShuffleOrder,
     ReplacementOrder,
@@ -248,3 +255,29 @@ def test_other_batch_samplers_are_drawn_and_laid_end_to_end() -> None:
 def test_bulk_key_tells_indices_lists_and_tuple_keys_apart(sampler: Any, key: str) -> None:
     """With batch_size=None, DataLoader passes each item to dataset[...]: a tuple as one key."""
     assert bulk_key(sampler) == key
+
+
+def test_the_seed_of_a_sampler_is_what_orders_it_in_torch() -> None:
+    generator = torch.Generator().manual_seed(5)
+    assert sampler_seed(RandomSampler(DS, generator=generator)) == 5
+    assert sampler_seed(DistributedSampler(DS, num_replicas=1, rank=0, seed=123)) == 123
+    assert sampler_seed(BatchSampler(DistributedSampler(DS, num_replicas=1, rank=0, seed=7), 2,
+                                     False)) == 7
+    assert sampler_seed(RandomSampler(DS)) is None and sampler_seed([1, 2]) is None
+
+
+@pytest.mark.parametrize("make", [list, lambda v: np.array(v, dtype=np.int32)],
+                         ids=["list", "int32 array"])
+def test_indices_edited_in_place_change_the_contents_not_the_signature(make) -> None:
+    """The signature is read at every len(); the contents, O(n), at each epoch start."""
+    indices = make([0, 1, 2, 3])
+    sampler = SubsetRandomSampler(indices)
+    signature, contents = sampler_signature(sampler), sampler_contents(sampler)
+    indices[:] = [5, 6, 7, 8]
+    assert sampler_signature(sampler) == signature and sampler_contents(sampler) != contents
+    weights = np.ones(4)
+    weighted = WeightedRandomSampler(weights, 2)
+    contents = sampler_contents(weighted)
+    weights[0] = 2.0  # the sampler's tensor shares the array
+    assert sampler_contents(weighted) != contents
+    assert sampler_contents(RandomSampler(DS)) is None

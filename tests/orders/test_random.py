@@ -2,6 +2,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 
 from lightning_loaders.orders.random import (
     RepeatedShuffleOrder,
@@ -55,6 +56,17 @@ def test_subset_is_a_new_permutation_of_the_subset_every_epoch() -> None:
     assert first != second
     with pytest.raises(ValueError, match="no indices"):
         SubsetOrder([], seed=0)
+
+
+@pytest.mark.parametrize("make", [np.array, torch.tensor], ids=["int64 array", "tensor"])
+def test_subset_copies_the_indices(make) -> None:
+    """The user's array edited in place does not reach an order already made (the loader
+    makes a new one between epochs): it used to, mid-epoch, for an int64 array."""
+    subset = make([3, 8, 1, 20])
+    order = SubsetOrder(subset, seed=4)
+    first = epoch(order, 0)
+    subset[:] = make([5, 6, 7, 9])
+    assert epoch(order, 0) == first
 
 
 def test_weighted_with_replacement_follows_the_weights_and_never_draws_a_zero() -> None:
