@@ -50,6 +50,7 @@ from lightning_loaders.orders.from_torch import (
     order_from_sampler,
     placement_from_sampler,
     sampler_contents,
+    sampler_seed,
     sampler_signature,
     unbatched_sampler,
 )
@@ -89,6 +90,9 @@ class MapStyleLoader(ResumableLoader):
                              "with shuffle=True, its ranks always have equal batch counts, and "
                              "it resumes under any layout")
         batch_sampler = options.batch_sampler
+        if options.seed is None:  # the sampler's own seed orders it in torch, as in make_resumable
+            options = replace(options, seed=sampler_seed(
+                options.sampler if batch_sampler is None else batch_sampler))
         seed = resolve_seed(options.seed, options.generator)
         self._user_samplers = SamplerEpochs(options.sampler, batch_sampler)
         if batch_sampler is not None:

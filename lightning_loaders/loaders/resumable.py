@@ -44,8 +44,10 @@ class ResumableLoader(WorkerLoader):
     Takes ``DataLoader``'s keyword arguments, plus:
 
     Args:
-        seed: keys every shuffle; defaults to ``generator.initial_seed()`` when a generator is
-            given, else ``$PL_GLOBAL_SEED`` (set by ``seed_everything``), else 0.
+        seed: keys every shuffle; defaults to the seed that orders the ``sampler`` in torch
+            (its generator's initial seed, a ``DistributedSampler``'s ``seed``), else
+            ``generator.initial_seed()`` when a generator is given, else ``$PL_GLOBAL_SEED``
+            (set by ``seed_everything``), else 0.
         last_batch: ``"keep"`` (default), ``"drop"`` (what ``drop_last=True`` means), ``"pad"``
             (wrap around to fill the last global batch) or ``"rollover"`` (leftovers open the
             next epoch). With a batch sampler's batches of different sizes, it says what

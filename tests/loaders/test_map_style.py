@@ -401,3 +401,36 @@ def test_repr_says_where_the_loader_is() -> None:
     text = repr(loader)
     for part in ("IndexDataset(len=10)", "batch_size=4", "rank=0/1", "epoch=0", "batches=1"):
         assert part in text
+
+
+def test_a_passed_samplers_own_seed_keys_the_order_as_in_torch(monkeypatch) -> None:
+    """``ResumableLoader(ds, sampler=...)`` takes the seed that orders the sampler in torch (a
+    generator's, a ``DistributedSampler``'s), as ``make_resumable`` does: it read 0 (or
+    ``$PL_GLOBAL_SEED``) for every sampler seed, so runs sweeping the sampler's seed all saw
+    one order. ``seed=`` still wins."""
+    from torch.utils.data import BatchSampler, DistributedSampler
+
+    monkeypatch.setenv("PL_GLOBAL_SEED", "31")
+    dataset = list(range(12))
+
+    def loaders(seed: int) -> list[ResumableLoader]:
+        def randoms() -> RandomSampler:
+            return RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
+
+        distributed = DistributedSampler(dataset, num_replicas=1, rank=0, seed=seed)
+        return [ResumableLoader(dataset, batch_size=4, sampler=randoms()),
+                ResumableLoader(dataset, batch_sampler=BatchSampler(randoms(), 4, False)),
+                ResumableLoader(dataset, batch_size=4, sampler=distributed,
+                                generator=torch.Generator().manual_seed(7))]
+
+    streams = set()
+    for seed in (5, 123):
+        for loader in loaders(seed):
+            assert loader.seed == seed
+            stream = [int(i) for batch in loader for i in batch]
+            assert sorted(stream) == dataset
+            streams.add((seed, tuple(stream)))
+    assert len({stream for _, stream in streams}) > 1
+    sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(5))
+    assert ResumableLoader(dataset, sampler=sampler, seed=9).seed == 9
+    assert ResumableLoader(dataset, shuffle=True).seed == 31
