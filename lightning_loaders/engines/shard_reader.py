@@ -451,9 +451,13 @@ class SlotFetcher(Dataset[Any]):
                           config.seed, request.epoch)
 
     def _reader(self, request: SlotRequest) -> SlotReader:
+        """The slot's kept reader when it stands at the request's batch, or has ended before
+        it (requests sent before the main process heard of the end); else a new one, read up
+        to that batch."""
         reader = self._readers.get(request.slot)
         if (reader is not None and reader.generation == request.generation
-                and reader.batch == request.batch):
+                and (reader.batch == request.batch
+                     or (reader.exhausted and reader.batch < request.batch))):
             return reader
         if reader is not None:
             reader.close()

@@ -4,7 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from lightning_loaders import GeneratorSource, ResumableLoader
+from lightning_loaders import GeneratorSource, RecordFiles, ResumableLoader, write_records
 from lightning_loaders.errors import SampleFetchError
 from lightning_loaders.testing import check_resume_at_every_step, run_epochs
 
@@ -60,3 +60,36 @@ def test_a_resumed_epoch_checks_the_shards_declared_empty_ahead(workers) -> None
     with pytest.raises(SampleFetchError, match=r"shard 1 goes on past its declared length"):
         list(resumed)
     resumed.close()
+
+
+class _CountingDecode:
+    """Decodes a record to its int, appending a byte to a file per call (across processes)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, payload: bytes) -> int:
+        with open(self.path, "ab") as file:
+            file.write(b".")
+        return int(payload)
+
+
+@pytest.mark.parametrize("policy", ["keep", "drop"])
+@pytest.mark.parametrize("per_shard", [64, 70])  # slots end on a full batch, on a short one
+def test_a_slot_that_ended_is_not_read_again_for_the_requests_past_its_end(
+        tmp_path, policy, per_shard) -> None:
+    """With unknown lengths, the requests sent past a slot's end before the main process
+    heard of it rebuilt the slot's reader and read its whole stream again to reach them: 2
+    workers decoded 512 samples for an epoch of 256."""
+    paths = []
+    for shard in range(4):
+        paths.append(str(tmp_path / f"{shard}.rec"))
+        write_records(paths[-1], [str(shard * 100 + i).encode() for i in range(per_shard)])
+    count = tmp_path / "decoded"
+    loader = ResumableLoader(RecordFiles(paths, decode=_CountingDecode(str(count))),
+                             batch_size=16, num_workers=2, last_batch=policy, collate_fn=list)
+    kept = 4 * per_shard if policy == "keep" else 4 * per_shard // 32 * 32  # 2 slots of 2 shards
+    for batches in run_epochs(loader, range(2), key=tuple):
+        assert sum(map(len, batches)) == kept
+    loader.close()
+    assert count.stat().st_size == 2 * 4 * per_shard  # each sample decoded once per epoch
