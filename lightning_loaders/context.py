@@ -251,6 +251,25 @@ def reseeder() -> Callable[[], None] | None:
     return None if base is None else functools.partial(_seed, base)
 
 
+@contextmanager
+def seeded_apart(*key: int, reseed: bool = False) -> Iterator[None]:
+    """Run a block of reads under the global RNGs seeded from ``key``, so that what it draws
+    does not depend on which batch's fetch runs it (a read ahead of the next batch, a shuffle
+    window's samples). Inside a fetch's seeding (``seeded_fetch``) they are left afterwards
+    as the block left them or, with ``reseed``, seeded again as the fetch seeded them (for a
+    fetch that drew nothing before the block); outside one the caller's are put back. Nothing
+    happens in a worker thread, whose RNGs ``seeded_fetch`` leaves alone too."""
+    info = _current.worker
+    if info is not None and info.backend == "thread":
+        yield
+        return
+    again = reseeder()
+    with seeded_global_rngs(*key, afterwards="restore" if again is None else "leave"):
+        yield
+    if reseed and again is not None:
+        again()
+
+
 def _seed(base: int) -> None:
     """Seed ``random``, numpy and ``torch`` from ``base``, a hashed key."""
     random.seed(mix64_after(base, 0) & 0xFFFFFFFF)

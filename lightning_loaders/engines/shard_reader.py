@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from lightning_loaders.context import seeded_fetch
+from lightning_loaders.context import seeded_apart, seeded_fetch
 from lightning_loaders.engines.transport import worker_collate
 from lightning_loaders.errors import SampleFetchError, fetch_error
 from lightning_loaders.hashing import mix64
@@ -35,6 +35,8 @@ __all__ = ["SlotFetcher", "SlotReader"]
 
 _WINDOW_SALT = 0x5749_4E44_4F57
 _PARTITION_SALT = 0x5041_5254_4954  # keys the shuffle windows of canonical partitions
+_FIRST_SALT = 0x4649_5253_54  # keys the draws of a batch's first sample (seeking sources)
+_FILL_SALT = 0x4649_4C4C  # keys the draws of a shuffle window's samples (seeking sources)
 _SECOND = operator.itemgetter(1)
 
 
@@ -50,6 +52,14 @@ class SlotReader:
     A sample that raises is found without a cost per sample read: a chunk keeps the samples
     read before it, and a strided piece, whose slices skip other slots' samples, is read
     through a count (``zip`` with ``itertools.count``, in C).
+
+    A source that seeks and may draw (``seeks``, not ``rng_free``) draws under each batch's
+    seeding of the global RNGs, but some samples are read in an earlier batch's fetch than
+    their own: a shuffle window's (read as a whole), and with unknown lengths each batch's
+    first (``at_end`` reads it ahead). Those are read under a seeding keyed by their place in
+    the slot's stream (``seeded_apart``): a window's samples under the window's seeding, a
+    batch's first sample under its own, the rest of the batch under the batch's. A sample
+    then draws the same whichever fetch reads it, so a resume anywhere is exact.
     """
 
     def __init__(self, source: ShardedSource[Any], pieces: tuple[Piece, ...], start: Cursor,
@@ -57,6 +67,8 @@ class SlotReader:
         self.generation, self.batch, self.exhausted = generation, start.batches, start.exhausted
         self._source, self._pieces, self._window, self._key = source, pieces, window, key
         self._seed, self._epoch = seed, epoch
+        self._apart = source.seeks and not source.rng_free  # draws under each batch's seeding
+        self._first_apart = self._apart and window <= 1 and source.shard_lengths is None
         self._view: Callable[[], AbstractContextManager[Any]] = (
             sole_reader if isinstance(source, PlainStream) else nullcontext)
         self._piece, self._offset, self._state = start.piece, start.offset, start.reader_state
@@ -85,7 +97,7 @@ class SlotReader:
             failure, self._failure = self._failure, None
             raise failure
         if self._window <= 1:
-            out = self._read(n)
+            out = self._read_batch(n) if self._first_apart else self._read(n)
             self._emitted += len(out)
             return out
         out = []
@@ -99,14 +111,17 @@ class SlotReader:
         return out
 
     def at_end(self) -> bool:
-        """Whether the slot's stream has no sample left (reads one ahead to know; an error in
-        that read belongs to the next batch, so the next ``take`` raises it)."""
+        """Whether the slot's stream has no sample left (reads one ahead to know, a whole
+        shuffle window with one; an error in that read belongs to the next batch, so the next
+        ``take`` raises it)."""
         if ((self._window > 1 and self._taken < len(self._buffer)) or self._peeked
                 or self._failure is not None):
             return False
-        position = self._position()
         try:
-            sample = self._read(1)
+            if self._window > 1:
+                return not self._fill()
+            position = self._position()
+            sample = self._read_first(reseed=False) if self._first_apart else self._read(1)
         except Exception as exc:
             self._failure = exc
             return False
@@ -168,14 +183,31 @@ class SlotReader:
     def _fill(self) -> bool:
         """Read the next window and permute it; ``False`` at the end of the stream."""
         self._window_start = (self._emitted, self._position())
-        samples = self._read(self._window)
+        index = self._emitted // self._window
+        with seeded_apart(self._key, index, _FILL_SALT) if self._apart else nullcontext():
+            samples = self._read(self._window)
         self._taken = 0
         self._buffer = samples
         if not samples:
             return False
-        order = KeyedPermutation(len(samples), mix64(self._key, self._emitted // self._window))
+        order = KeyedPermutation(len(samples), mix64(self._key, index))
         self._buffer = [samples[i] for i in order[np.arange(len(samples))].tolist()]
         return True
+
+    def _read_batch(self, n: int) -> list[Any]:
+        """A batch's ``n`` next samples, its first read apart (``_read_first``)."""
+        first = self._read_first(reseed=True) if n > 0 else []
+        return first + self._read(n - 1) if first else first
+
+    def _read_first(self, reseed: bool) -> list[Any]:
+        """The next sample (none at the end), a batch's first, unless it was read ahead:
+        read under the global RNGs seeded from its place in the slot's stream, so it draws the
+        same in the batch's fetch as read ahead in the one before; ``reseed`` (in its own
+        batch's fetch) then seeds them again as the fetch did, for the rest of the batch."""
+        if self._peeked:
+            return self._read(1)
+        with seeded_apart(self._key, self._emitted, _FIRST_SALT, reseed=reseed):
+            return self._read(1)
 
     def _position(self) -> tuple[int, int, Any]:
         """``(piece, offset, shard iterator state)`` of the next sample ``_read`` returns."""
