@@ -36,7 +36,8 @@ from lightning_loaders.loaders.convert import make_resumable
 from lightning_loaders.loaders.map_style import MapStyleLoader
 from lightning_loaders.loaders.resumable import ResumableLoader
 
-__all__ = ["STATE_KEY", "ResumableDataModule", "convert_loader", "convert_passed_loaders"]
+__all__ = ["STATE_KEY", "ResumableDataModule", "convert_loader", "convert_passed_loaders",
+           "user_shards"]
 
 STATE_KEY = "resumable_loaders"
 _STATE_VERSION = 1
@@ -164,15 +165,24 @@ def convert_passed_loaders(trainer: L.Trainer) -> None:
     ``ResumableDataModule`` makes its hooks' loaders: Lightning would give them its
     ``DistributedSampler``, whose epoch restarts on resume. Loaders that come from hooks (a
     module's or a datamodule's) are left to them, and so are all under ``overfit_batches``,
-    where Lightning rebuilds a shuffled ``DataLoader`` unshuffled (it cannot rebuild ours)."""
-    if getattr(trainer, "overfit_batches", 0) > 0:  # set by the Trainer, not declared
-        return
+    where Lightning rebuilds a shuffled ``DataLoader`` unshuffled (it cannot rebuild ours),
+    and where the user shards them (``user_shards``)."""
+    if getattr(trainer, "overfit_batches", 0) > 0 or user_shards(trainer):
+        return  # overfit_batches: set by the Trainer, not declared
     fit_loop = trainer.fit_loop
     for source, stage in ((fit_loop._data_source, "train"),
                           (fit_loop.epoch_loop.val_loop._data_source, "validate")):
         if source.instance is not None and not source.is_module():
             source.instance = _convert_tree(source.instance,
                                             functools.partial(convert_loader, stage=stage))
+
+
+def user_shards(trainer: L.Trainer) -> bool:
+    """Whether ``Trainer(use_distributed_sampler=False)`` runs on several processes: each rank
+    then reads its ``DataLoader`` as given (its sampler splits the data by rank itself, or
+    every rank reads it all), and converting it would shard it once more."""
+    connector = trainer._accelerator_connector
+    return not connector.use_distributed_sampler and trainer.world_size > 1
 
 
 def _converting(hook: Callable[..., Any], stage: str) -> Callable[..., Any]:

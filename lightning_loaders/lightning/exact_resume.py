@@ -49,7 +49,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
 
-from lightning_loaders.lightning.datamodule import convert_passed_loaders
+from lightning_loaders.lightning.datamodule import convert_passed_loaders, user_shards
 from lightning_loaders.schedule.audit import saved_digest
 from lightning_loaders.state import abandoned, is_stateful
 
@@ -570,13 +570,19 @@ def _warn_unresumable(trainer: L.Trainer) -> None:
     plain = [f"{index} ({type(loader).__name__})"
              for index, loader in enumerate(combined.flattened if combined is not None else [])
              if not is_stateful(loader)]
-    if plain:
-        warnings.warn(
-            f"training loader {', '.join(plain)} has no state_dict(): a resume restarts its "
-            "epoch, repeating the samples read before the checkpoint and losing others. "
-            "ExactResume converts plain DataLoaders passed to fit() only; return a resumable "
-            "one from the hook (lightning_loaders.make_resumable, or a ResumableDataModule)",
-            stacklevel=2)
+    if not plain:
+        return
+    fix = ("ExactResume converts plain DataLoaders passed to fit() only; return a resumable "
+           "one from the hook (lightning_loaders.make_resumable, or a ResumableDataModule)")
+    if user_shards(trainer):
+        fix = ("Under Trainer(use_distributed_sampler=False) on several processes, ExactResume "
+               "leaves the DataLoaders passed to fit() as they are: each rank reads its own as "
+               "given, so one whose sampler splits the data by rank is not split again. For "
+               "an exact resume pass make_resumable(loader) over the whole dataset's sampler "
+               "(it gives each rank its share)")
+    warnings.warn(f"training loader {', '.join(plain)} has no state_dict(): a resume restarts "
+                  "its epoch, repeating the samples read before the checkpoint and losing "
+                  f"others. {fix}", stacklevel=2)
 
 
 def _fitting(trainer: L.Trainer) -> bool:

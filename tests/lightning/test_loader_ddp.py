@@ -82,3 +82,21 @@ def test_plain_dataloaders_passed_to_fit_become_distributed_and_resumable(tmp_pa
                                str(checkpoint_at(ckpt, 3))], tmp_path / "resumed")
     for whole, again in zip(full, resumed, strict=True):
         assert _as_steps(again["seen"]) == _as_steps(whole["seen"])[3:]
+
+
+def test_dataloaders_passed_to_fit_that_the_user_shards_are_left_as_they_are(tmp_path: Path
+                                                                             ) -> None:
+    """Under ``use_distributed_sampler=False`` the ranks read their ``DataLoader``s as given,
+    as in plain Lightning: a sampler that splits by rank itself (Megatron's attributes) reads
+    all 11 samples per epoch (the converted loader split it again: 5 of 11), and the warning
+    at training start says why a resume restarts the epoch and what resumes exactly."""
+    runs = run_ddp(REPO / "tests" / "scripts" / "passed_loaders_ddp.py",
+                   ["user-shards", str(tmp_path)], tmp_path / "out")
+    for epoch in range(EPOCHS):
+        seen = Counter(i for run in runs for e, _, b in run["seen"] if e == epoch for i in b)
+        assert sorted(seen) == list(range(11)), epoch
+    for run in runs:
+        assert run["kind"] == "DataLoader"
+        [warning] = run["warnings"]
+        assert "Under Trainer(use_distributed_sampler=False) on several processes" in warning
+
