@@ -303,7 +303,7 @@ class MapStyleLoader(ResumableLoader):
             # indices) read again, or the new collate_fn
         schedule = self.schedule
         self._follow_mix()
-        schedule.begin_epoch()
+        schedule.begin_agreed_epoch()
         self._restored = False
         self._window.resumed(schedule.epoch, schedule.batches)
         self._epoch_restarts = 0

@@ -21,9 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_loaders.collectives import agree_range, all_gather, group_size
 from lightning_loaders.errors import StateMismatchError
-from lightning_loaders.hashing import checked_seed
+from lightning_loaders.hashing import checked_seed, digest, mix64
 from lightning_loaders.orders.base import BatchedOrder, EpochSizedOrder, SampleOrder
+from lightning_loaders.placement import resolve_rank_world
 from lightning_loaders.schedule.audit import (
     AUDIT,
     audit_part,
@@ -60,6 +62,16 @@ Plan = EpochPlan | BoundaryPlan
 KIND = "map"
 ORDER_STATE = "order"  # the part holding the order's own state (a drawn sampler's, weights)
 _BLOCK_SAMPLES = 8192  # positions planned per order.indices call (~64 KiB of int64 per array)
+_COMPARED_POSITIONS = 256  # the epoch's first positions whose indices the ranks compare
+_SHOWN = 4  # of which an error shows each rank's first ones
+_SPLIT_BY_RANK = (
+    "A sampler that splits the dataset by rank itself does this (one with rank and "
+    "num_replicas, data_parallel_rank and data_parallel_size, a SubsetRandomSampler over this "
+    "rank's indices), and so does a dataset whose len() is this rank's share. Pass the sampler "
+    "over the whole dataset, alike on every rank: the loader gives each rank its share. A "
+    "sampler that must split by rank itself belongs in a plain DataLoader (under Lightning: "
+    "Trainer(use_distributed_sampler=False), which ExactResume leaves as it is), which resumes "
+    "from its epoch's start")
 
 
 class MapSchedule(EpochOwner):
@@ -150,6 +162,64 @@ class MapSchedule(EpochOwner):
         (``EpochSizedOrder``: a sampler whose ``len()`` follows its ``set_epoch``)."""
         order = self.order
         return order.epoch_len(epoch) if isinstance(order, EpochSizedOrder) else self.dataset_len
+
+    def begin_agreed_epoch(self) -> None:
+        """``begin_epoch``; on several ranks, then refuse a plan that differs between them:
+        another seed, order length (the sampler's ``len()``, else the dataset's), number of
+        batches, or order (the indices of the epoch's first positions). Each rank shards its
+        own plan, so ranks with different plans repeat and lose samples silently, and ranks
+        with different batch counts hang.
+
+        Every rank calls it at every epoch start (the first ``next()`` of each iterator, which
+        every rank makes alike); whatever ``begin_epoch`` raises on one rank waits until the
+        ranks have compared, so the one small collective cannot hang. Without a process group
+        of the loader's ranks (one process placed by hand) there is nothing to compare with."""
+        world_size = resolve_rank_world(*self._explicit_placement)[1]
+        if world_size == 1 or group_size() != world_size:
+            self.begin_epoch()
+            return
+        failure: Exception | None = None
+        try:
+            self.begin_epoch()
+            planned = self._planned()
+        except Exception as exc:
+            failure, planned = exc, (0, 0)
+        failed, seeds, lengths, batches, orders = agree_range(
+            int(failure is not None), mix64(self.seed) >> 2, self.dataset_len, *planned)
+        if seeds[0] != seeds[1] or lengths[0] != lengths[1]:
+            raise _differing(seeds[0] != seeds[1], all_gather((self.seed, self.dataset_len))
+                             ) from failure
+        if failure is not None:
+            raise failure
+        if failed[1]:
+            raise RuntimeError(f"another rank failed to begin epoch {self.epoch} (before the "
+                               "ranks compared their plans): see its error")
+        epoch, plan = self.epoch, self.plan
+        assert epoch is not None and plan is not None
+        if batches[0] != batches[1]:
+            raise ValueError(
+                f"the number of batches of epoch {epoch} differs between ranks "
+                f"({_by_rank(all_gather(plan.num_batches))}): a rank would wait for the others "
+                "forever. Give every rank the same batch_size and last-batch policy, and a "
+                "sampler whose len() is the same on every rank")
+        if orders[0] != orders[1]:
+            shown = np.arange(min(_SHOWN, self.epoch_len(epoch)))
+            heads = all_gather(self.order.indices(epoch, shown).tolist())
+            raise ValueError(
+                f"the order differs between ranks in epoch {epoch} (its first indices: "
+                f"{_by_rank(heads)}): the loader plans one order over all ranks and gives each "
+                "rank its share of it, so the sampler must give the same order on every rank. "
+                + _SPLIT_BY_RANK + ". A sampler drawing from randomness seeded by the rank, or "
+                "not seeded (a generator of its own), does it too: seed it alike on every "
+                "rank, or draw from its `generator` or the global RNGs, which the loader seeds")
+
+    def _planned(self) -> tuple[int, int]:
+        """``(batches, digest)`` of the epoch begun: its batches per rank, and a 62-bit digest
+        of the dataset indices at its first positions."""
+        assert self.plan is not None and self.epoch is not None
+        positions = np.arange(min(_COMPARED_POSITIONS, self.epoch_len(self.epoch)))
+        indices = np.asarray(self.order.indices(self.epoch, positions), dtype=np.int64)
+        return self.plan.num_batches, int(digest(indices), 16) >> 2
 
     def _check_rollover_lengths(self, start: int, stop: int) -> None:
         """Refuse rollover stream positions ``[start, stop)`` over an epoch whose length is not
@@ -446,6 +516,36 @@ def _locate(order: SampleOrder, epoch: int, positions: np.ndarray,
         mask = sample_epochs == sample_epoch
         indices[mask] = order.indices(int(sample_epoch), positions[mask])
     return sample_epochs, positions, indices
+
+
+def _differing(seeds: bool, ranks: list[tuple[int, int]]) -> ValueError:
+    """The error for ranks whose seeds (``seeds``), else order lengths, differ (``ranks``:
+    each rank's ``(seed, length)``)."""
+    if seeds:
+        return ValueError(
+            f"the loader's seed differs between ranks ({_by_rank([s for s, _ in ranks])}): "
+            "each rank would shuffle another order and read its share of it, repeating and "
+            "losing samples in every epoch (and a resume would be refused). The seed is seed=, "
+            "else the DataLoader's generator (its initial_seed()), else $PL_GLOBAL_SEED "
+            "(seed_everything): a generator or seed_everything seeded by the rank does this. "
+            "Give the same seed on every rank; randomness that should differ between samples "
+            "(augmentation) comes from lightning_loaders.sample_rng(), seeded by the seed and "
+            "the sample's position")
+    return ValueError(
+        f"the order's length (the sampler's len(), else the dataset's) differs between ranks "
+        f"({_by_rank([n for _, n in ranks])}): the loader plans one order over all ranks and "
+        "gives each rank its share of it, so the sampler (or dataset) must cover the whole "
+        "dataset on every rank. " + _SPLIT_BY_RANK)
+
+
+def _by_rank(values: list[Any]) -> str:
+    """Each distinct value of ``values`` (one per rank) with the first ranks that have it."""
+    ranks: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        ranks.setdefault(str(value), []).append(rank)
+    return ", ".join(f"{value} on rank{'s' if len(held) > 1 else ''} "
+                     f"{', '.join(map(str, held[:4]))}{', ...' if len(held) > 4 else ''}"
+                     for value, held in ranks.items())
 
 
 def resolve_last_batch(last_batch: str | None, drop_last: bool) -> LastBatch:

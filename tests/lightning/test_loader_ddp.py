@@ -100,3 +100,15 @@ def test_dataloaders_passed_to_fit_that_the_user_shards_are_left_as_they_are(tmp
         [warning] = run["warnings"]
         assert "Under Trainer(use_distributed_sampler=False) on several processes" in warning
 
+
+def test_a_dataloader_seeded_by_the_rank_passed_to_fit_is_refused(tmp_path: Path) -> None:
+    """``generator=torch.Generator().manual_seed(rank)`` seeds the converted loader by the
+    rank: the ranks would shuffle different orders (2 samples repeated and 2 lost in epoch 0,
+    caught only at a resume). Every rank refuses it at the first epoch start, naming both
+    seeds, before a step is trained."""
+    runs = run_ddp(REPO / "tests" / "scripts" / "passed_loaders_ddp.py",
+                   ["generator-per-rank", str(tmp_path)], tmp_path / "out")
+    for run in runs:
+        assert run["error"].startswith(
+            "ValueError: the loader's seed differs between ranks (0 on rank 0, 1 on rank 1)")
+        assert run["seen"] == []

@@ -434,3 +434,47 @@ def test_a_passed_samplers_own_seed_keys_the_order_as_in_torch(monkeypatch) -> N
     sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(5))
     assert ResumableLoader(dataset, sampler=sampler, seed=9).seed == 9
     assert ResumableLoader(dataset, shuffle=True).seed == 31
+
+
+def test_ddp_plans_that_differ_between_ranks_are_refused_on_every_rank(tmp_path) -> None:
+    """Each rank shards its own plan, so ranks must agree on it: at every epoch start they
+    compare the seed, the order's length, the batches and the order's first indices (one
+    all_reduce), and refuse a difference on every rank, naming each rank's value. A sampler
+    that splits by rank itself (Megatron's attributes, equal or uneven shares, a
+    SubsetRandomSampler over the rank's indices), a generator seeded by the rank, an order
+    that turns rank-dependent in epoch 1 and a batch size per rank are refused (before, each
+    read its share of its own order: 6 of 12 samples per epoch, or repeats and losses); a
+    failure on one rank waits for the comparison (nothing hangs). A sampler over the whole
+    dataset, one with its own generator seeded alike on every rank, and a loader placed by
+    hand at rank 0 of 1 (nothing to compare) are read as planned."""
+    from tests.ddp_harness import REPO, run_ddp
+
+    runs = run_ddp(REPO / "tests" / "scripts" / "map_ranks_ddp.py", [], tmp_path / "ddp")
+    for case in ("whole-sampler", "own-rng-alike", "shuffle", "rank-share-placed-by-hand"):
+        for epoch in range(2):
+            ids = sorted(i for run in runs for i in run[case]["epochs"][epoch])
+            assert ids == list(range(12)), (case, epoch)
+    order = "ValueError: the order differs between ranks in epoch"
+    refused = {
+        "rank-share": f"{order} 0 (its first indices: [0, 2, 4, 6] on rank 0, [1, 3, 5, 7] on "
+                      "rank 1)",
+        "subset-per-rank": f"{order} 0 (its first indices: ",
+        "rank-order-from-epoch-1": f"{order} 1 (its first indices: [0, 1, 2, 3] on rank 0, "
+                                   "[1, 2, 3, 4] on rank 1)",
+        "rank-share-uneven": "ValueError: the order's length (the sampler's len(), else the "
+                             "dataset's) differs between ranks (6 on rank 0, 5 on rank 1)",
+        "generator-per-rank": "ValueError: the loader's seed differs between ranks (0 on rank "
+                              "0, 1 on rank 1)",
+        "batch-size-per-rank": "ValueError: the number of batches of epoch 0 differs between "
+                               "ranks (3 on rank 0, 2 on rank 1)",
+    }
+    for rank, run in enumerate(runs):
+        for case, start in refused.items():
+            assert run[case].get("error", "").startswith(start), (rank, case, run[case])
+        assert "data_parallel_rank" in run["rank-share"]["error"]
+        assert "the same seed on every rank" in run["generator-per-rank"]["error"]
+        assert len(run["rank-order-from-epoch-1"]["epochs"]) == 1  # epoch 0 was read
+    assert runs[1]["short-on-rank-1"]["error"].startswith(
+        "ValueError: ShortOnRankOne yielded only 11 indices in epoch 0")
+    assert runs[0]["short-on-rank-1"]["error"].startswith(
+        "RuntimeError: another rank failed to begin epoch 0")
