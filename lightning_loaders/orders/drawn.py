@@ -44,6 +44,7 @@ _TAG = 0x5A3D
 _CACHED_EPOCHS = 2  # rollover plans read two consecutive epochs
 _GENERATOR_DEPTH = 4
 _UNSET = object()  # a sampler without an ``epoch`` attribute
+_RANK_ATTRIBUTES = (("num_replicas", "rank"), ("data_parallel_size", "data_parallel_rank"))
 MAX_DRAWN = 1 << 24
 """The most items an epoch of a sampler without ``len()`` may yield (16.8M)."""
 
@@ -150,11 +151,13 @@ class DrawnOrder:
             if not drawn.same_as(again):
                 warnings.warn(
                     f"{self._name} is not deterministic given the seed: two draws of epoch "
-                    f"{epoch} after the same seeding differed. Ranks will draw different orders "
-                    "(samples repeated or skipped across ranks) and no resume can reproduce an "
-                    "interrupted epoch. Draw randomness from the sampler's `generator`, the "
-                    "global torch/numpy/random RNGs or `set_epoch` (all seeded per epoch), or "
-                    "give the sampler state_dict()/load_state_dict().",
+                    f"{epoch} after the same seeding differed, so it draws from randomness the "
+                    "loader does not seed (a generator of its own) and no resume can reproduce "
+                    "an interrupted epoch (ranks draw the same orders only if that randomness "
+                    "is seeded alike on every rank; under DDP the loader refuses orders that "
+                    "differ). Draw randomness from the sampler's `generator`, the global "
+                    "torch/numpy/random RNGs or `set_epoch` (all seeded per epoch), or give the "
+                    "sampler state_dict()/load_state_dict().",
                     stacklevel=4,
                 )
             drawn = again
@@ -369,10 +372,15 @@ def _epoch_kept(sampler: Any) -> Iterator[None]:
 
 
 def _warn_if_rank_aware(sampler: Any) -> None:
-    if hasattr(sampler, "num_replicas") and hasattr(sampler, "rank"):
+    """Warn of a sampler with the attributes of one that splits the data by rank itself (torch's
+    ``rank``/``num_replicas``, Megatron's ``data_parallel_rank``/``data_parallel_size``)."""
+    names = next((pair for pair in _RANK_ATTRIBUTES
+                  if all(hasattr(sampler, name) for name in pair)), None)
+    if names is not None:
         warnings.warn(
-            f"{type(sampler).__qualname__} looks rank-aware (it has num_replicas and rank): the "
-            "loader already gives each rank its share of the sampler's order, so a sampler that "
-            "shards by rank itself is sharded twice. Give it a sampler over the whole dataset.",
+            f"{type(sampler).__qualname__} looks rank-aware (it has {names[0]} and {names[1]}): "
+            "the loader already gives each rank its share of the sampler's order, so a sampler "
+            "that shards by rank itself is sharded twice (under DDP the loader refuses an "
+            "order that differs between ranks). Give it a sampler over the whole dataset.",
             stacklevel=4,
         )

@@ -198,9 +198,16 @@ def test_an_iterator_as_sampler_is_refused_as_read_once(sampler) -> None:
 
 
 def test_a_non_deterministic_sampler_gets_a_clear_warning() -> None:
+    """It names the resume it breaks, and no more: a generator of the sampler's own, seeded
+    alike on every rank, draws one order on every rank (``tests/loaders/test_map_style.py``
+    reads it under DDP)."""
     loader = ResumableLoader(IndexDataset(N), sampler=Unseeded(), batch_size=4)
-    with pytest.warns(UserWarning, match="not deterministic given the seed.*resume"):
+    with pytest.warns(UserWarning, match="not deterministic given the seed") as caught:
         next(iter(loader))
+    message = str(caught[0].message)
+    assert "no resume can reproduce an interrupted epoch" in message
+    assert "Ranks will draw different orders" not in message
+    assert "only if that randomness is seeded alike on every rank" in message
 
 
 def test_samplers_without_len_are_drawn_once_to_learn_it() -> None:
@@ -394,18 +401,23 @@ def test_a_length_that_lies_is_refused() -> None:
         DrawnOrder(Liar(), seed=0).indices(0, np.arange(2))
 
 
-def test_a_rank_aware_sampler_is_warned_about() -> None:
+@pytest.mark.parametrize("names", [("num_replicas", "rank"),
+                                   ("data_parallel_size", "data_parallel_rank")],
+                         ids=["torch", "megatron"])
+def test_a_rank_aware_sampler_is_warned_about(names) -> None:
+    """torch's attribute names and Megatron's: either sampler shards by rank itself."""
     class Sharding(Sampler[int]):
-        num_replicas, rank = 2, 0
-
         def __len__(self) -> int:
             return 3
 
         def __iter__(self):
             return iter(range(3))
 
-    with pytest.warns(UserWarning, match="sharded twice"):
-        DrawnOrder(Sharding(), seed=0)
+    sampler = Sharding()
+    for name, value in zip(names, (2, 0), strict=True):
+        setattr(sampler, name, value)
+    with pytest.warns(UserWarning, match=f"it has {names[0]} and {names[1]}.*sharded twice"):
+        DrawnOrder(sampler, seed=0)
 
 
 class Buckets(Sampler[list[int]]):
