@@ -526,8 +526,9 @@ def _differing(seeds: bool, ranks: list[tuple[int, int]]) -> ValueError:
             f"the loader's seed differs between ranks ({_by_rank([s for s, _ in ranks])}): "
             "each rank would shuffle another order and read its share of it, repeating and "
             "losing samples in every epoch (and a resume would be refused). The seed is seed=, "
-            "else the DataLoader's generator (its initial_seed()), else $PL_GLOBAL_SEED "
-            "(seed_everything): a generator or seed_everything seeded by the rank does this. "
+            "else the sampler's own (its generator's initial_seed(), a DistributedSampler's "
+            "seed), else the DataLoader's generator's, else $PL_GLOBAL_SEED (seed_everything): "
+            "a generator, sampler seed or seed_everything seeded by the rank does this. "
             "Give the same seed on every rank; randomness that should differ between samples "
             "(augmentation) comes from lightning_loaders.sample_rng(), seeded by the seed and "
             "the sample's position")
