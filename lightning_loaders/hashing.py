@@ -67,13 +67,15 @@ def seed32(*values: int) -> int:
 
 
 def digest(value: Any) -> str:
-    """A short content hash (16 hex digits) for fingerprints: a numpy array by its bytes and
-    dtype, anything else by its ``repr`` (lists of names, lengths, configurations)."""
+    """A short content hash (16 hex digits) for fingerprints: a numpy array by its bytes (an
+    object array by its values' ``repr``) and dtype, anything else by its ``repr`` (lists of
+    names, lengths, configurations)."""
     if not isinstance(value, np.ndarray):
         return hashlib.blake2b(repr(value).encode(), digest_size=8).hexdigest()
     data = np.ascontiguousarray(value)
     hasher = hashlib.blake2b(digest_size=8)
-    hasher.update(data.tobytes() if data.dtype.hasobject
+    # an object array's bytes are pointers, new in every process: its values' repr instead
+    hasher.update(repr(data.tolist()).encode() if data.dtype.hasobject
                   else data.reshape(-1).view(np.uint8).data)
     hasher.update(str(data.dtype).encode())  # as hashing bytes + dtype at once, without a copy
     return hasher.hexdigest()
