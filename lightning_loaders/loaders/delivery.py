@@ -44,6 +44,7 @@ from lightning_loaders.loaders.prefetch import (
     batches_held,
     find_prefetcher,
     fit_epoch,
+    lightning_fetches,
     note_held,
 )
 from lightning_loaders.orders.from_torch import SamplerEpochs
@@ -131,6 +132,7 @@ class DeliveryCore:
     _generation = 0  # bumped by close(): iterators then go on from the cursor
     _prefetcher: weakref.ref[Any] | None = None
     _held: HeldNote | None = None  # what a prefetching fetcher holds (``note_held``)
+    _lightning_iterates = False  # the last iter() came from Lightning's loop (every rank's)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -158,6 +160,7 @@ class DeliveryCore:
             prefetcher = find_prefetcher()
             self._iter_token += 1
             self._prefetcher = prefetcher
+            self._lightning_iterates = lightning_fetches()
             if (prefetcher is not None and not self.schedule.restoring
                     and (epoch := fit_epoch()) is not None):
                 self.schedule.set_epoch(epoch)  # Lightning fetches a batch before it says so

@@ -17,11 +17,13 @@ epoch would otherwise start at epoch 0).
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
 from types import FrameType
 from typing import Any, NamedTuple
 
-__all__ = ["HeldNote", "batches_held", "find_prefetcher", "fit_epoch", "note_held"]
+__all__ = ["HeldNote", "batches_held", "find_prefetcher", "fit_epoch", "lightning_fetches",
+           "note_held"]
 
 _FETCHER_MODULES = ("lightning.pytorch.loops.fetchers", "pytorch_lightning.loops.fetchers")
 _FIT_LOOP_MODULES = ("lightning.pytorch.loops.fit_loop", "pytorch_lightning.loops.fit_loop")
@@ -32,6 +34,15 @@ def find_prefetcher() -> weakref.ref[Any] | None:
     """The Lightning prefetching data fetcher calling ``iter()`` on us, if any."""
     fetcher = _caller(_FETCHER_MODULES, "_PrefetchDataFetcher", "__iter__", _SEARCH_DEPTH)
     return None if fetcher is None else weakref.ref(fetcher)
+
+
+def lightning_fetches() -> bool:
+    """Whether one of Lightning's data fetchers calls ``iter()`` on us, on the main thread:
+    its loops iterate every rank's loaders alike, at the same point of the program, where the
+    ranks may run a collective. A loop of the user's may iterate on one rank alone (rank-zero
+    evaluation, ``prepare_data``), or in a thread beside DDP's own collectives."""
+    return (threading.current_thread() is threading.main_thread()
+            and _caller(_FETCHER_MODULES, "_DataFetcher", "__iter__", _SEARCH_DEPTH) is not None)
 
 
 def fit_epoch() -> int | None:

@@ -154,10 +154,10 @@ class DrawnOrder:
                     f"{epoch} after the same seeding differed, so it draws from randomness the "
                     "loader does not seed (a generator of its own) and no resume can reproduce "
                     "an interrupted epoch (ranks draw the same orders only if that randomness "
-                    "is seeded alike on every rank; under DDP the loader refuses orders that "
-                    "differ). Draw randomness from the sampler's `generator`, the global "
-                    "torch/numpy/random RNGs or `set_epoch` (all seeded per epoch), or give the "
-                    "sampler state_dict()/load_state_dict().",
+                    "is seeded alike on every rank; in Lightning's DDP loops the ranks compare "
+                    "their epochs' first indices). Draw randomness from the sampler's "
+                    "`generator`, the global torch/numpy/random RNGs or `set_epoch` (all "
+                    "seeded per epoch), or give the sampler state_dict()/load_state_dict().",
                     stacklevel=4,
                 )
             drawn = again

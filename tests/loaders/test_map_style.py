@@ -446,7 +446,9 @@ def test_ddp_plans_that_differ_between_ranks_are_refused_on_every_rank(tmp_path)
     read its share of its own order: 6 of 12 samples per epoch, or repeats and losses); a
     failure on one rank waits for the comparison (nothing hangs). A sampler over the whole
     dataset, one with its own generator seeded alike on every rank, and a loader placed by
-    hand at rank 0 of 1 (nothing to compare) are read as planned."""
+    hand at rank 0 of 1 (nothing to compare) are read as planned. The ranks compare in
+    Lightning's loops (its data fetcher, which every rank runs alike); a loop of the user's on
+    rank 0 alone compares nothing and reads its share (it waited for rank 1 forever)."""
     from tests.ddp_harness import REPO, run_ddp
 
     runs = run_ddp(REPO / "tests" / "scripts" / "map_ranks_ddp.py", [], tmp_path / "ddp")
@@ -454,6 +456,8 @@ def test_ddp_plans_that_differ_between_ranks_are_refused_on_every_rank(tmp_path)
         for epoch in range(2):
             ids = sorted(i for run in runs for i in run[case]["epochs"][epoch])
             assert ids == list(range(12)), (case, epoch)
+    alone = runs[0]["rank-0-alone"]["epochs"][0]
+    assert len(set(alone)) == len(alone) == 6 and "rank-0-alone" not in runs[1]
     order = "ValueError: the order differs between ranks in epoch"
     refused = {
         "rank-share": f"{order} 0 (its first indices: [0, 2, 4, 6] on rank 0, [1, 3, 5, 7] on "

@@ -2,8 +2,10 @@
 DDP (launched by ``tests/loaders/test_map_style.py`` through ``tests/ddp_harness.run_ddp``).
 
 For each case it reads two epochs through a ``ResumableLoader`` (``make_resumable`` of a
-``DataLoader``) and reports either the indices this rank received in each epoch or the error
-it raised::
+``DataLoader``), as Lightning's loops read it (through its data fetcher, where the ranks
+compare their plans), and reports either the indices this rank received in each epoch or the
+error it raised; then rank 0 alone reads an epoch in a loop of its own (compared with nothing,
+so it cannot wait for the other rank)::
 
     {"<case>": {"epochs": [[...], [...]]} | {"error": "<type>: <message>"}, ...}
 
@@ -105,6 +107,17 @@ def _plain(sampler: Sampler[int] | None = None, **kwargs: Any) -> Any:
                                                                           **kwargs}))
 
 
+def _through_lightning(loader: Any) -> list[int]:
+    """One epoch of ``loader`` read as Lightning's loops read it: its data fetcher over a
+    ``CombinedLoader``."""
+    from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
+    from lightning.pytorch.utilities import CombinedLoader
+
+    fetcher = _PrefetchDataFetcher()
+    fetcher.setup(CombinedLoader(loader))
+    return [i for batch, _, _ in fetcher for i in batch["index"].tolist()]
+
+
 def main() -> None:
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo")
@@ -130,12 +143,18 @@ def main() -> None:
         epochs: list[list[int]] = []
         try:
             for _ in range(2):  # each iter() begins the next epoch
-                epochs.append([i for batch in loader for i in batch["index"].tolist()])
+                epochs.append(_through_lightning(loader))
             results[name] = {"epochs": epochs}
         except Exception as exc:  # reported to the launching test
             results[name] = {"error": f"{type(exc).__name__}: {exc}", "epochs": epochs}
         loader.close()
         dist.barrier()
+    if rank == 0:
+        alone = _plain(shuffle=True)
+        results["rank-0-alone"] = {"epochs": [[i for batch in alone
+                                               for i in batch["index"].tolist()]]}
+        alone.close()
+    dist.barrier()
     write_result(results)
 
 
