@@ -38,7 +38,7 @@ import numpy as np
 
 from lightning_loaders.hashing import digest
 from lightning_loaders.sources.mix import Mix
-from lightning_loaders.sources.tables import TableDataset
+from lightning_loaders.sources.tables import TableDataset, is_view
 
 __all__ = ["content_identity"]
 
@@ -142,22 +142,14 @@ def _numbers(array: Any) -> np.ndarray:
 def _is_text(kind: Any) -> bool:
     import pyarrow as pa
 
-    return bool(pa.types.is_string(kind) or pa.types.is_large_string(kind) or _is_view(kind))
+    return bool(pa.types.is_string(kind) or pa.types.is_large_string(kind) or is_view(kind))
 
 
 def _is_bytes(kind: Any) -> bool:
     import pyarrow as pa
 
     return bool(pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
-                or _is_view(kind, "is_binary_view"))
-
-
-def _is_view(kind: Any, predicate: str = "is_string_view") -> bool:
-    """Whether ``kind`` is a string (or with ``"is_binary_view"``, binary) view, where this
-    pyarrow has them."""
-    import pyarrow as pa
-
-    return bool(getattr(pa.types, predicate, lambda _: False)(kind))
+                or is_view(kind, "is_binary_view"))
 
 
 def _lengths_and_bytes(array: Any) -> tuple[str, str]:
@@ -166,7 +158,7 @@ def _lengths_and_bytes(array: Any) -> tuple[str, str]:
     kernel for views)."""
     import pyarrow as pa
 
-    if _is_view(array.type) or _is_view(array.type, "is_binary_view"):
+    if is_view(array.type) or is_view(array.type, "is_binary_view"):
         array = array.cast(pa.large_binary())
     sample = _spread(array).cast(pa.large_binary())
     _, offsets, data = sample.buffers()

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-__all__ = ["TableDataset", "arrow_rows"]
+__all__ = ["TableDataset", "arrow_rows", "is_view"]
 
 
 class TableDataset(Dataset[dict[str, Any]]):
@@ -180,9 +180,9 @@ def _without_views(kind: Any) -> Any:
     import pyarrow as pa
 
     types = pa.types
-    if getattr(types, "is_string_view", lambda _: False)(kind):
+    if is_view(kind):
         return pa.large_string()
-    if getattr(types, "is_binary_view", lambda _: False)(kind):
+    if is_view(kind, "is_binary_view"):
         return pa.large_binary()
     if types.is_list(kind) or types.is_large_list(kind):
         make = pa.list_ if types.is_list(kind) else pa.large_list
@@ -224,3 +224,11 @@ def _checked_index(index: int, n: int) -> int:
     if not 0 <= index < n:
         raise IndexError(f"row index {index} out of range for a table of {n} rows")
     return index
+
+
+def is_view(kind: Any, predicate: str = "is_string_view") -> bool:
+    """Whether the Arrow type ``kind`` is a string (or with ``"is_binary_view"``, binary)
+    view, which ``take`` has no kernel for; ``False`` on a pyarrow without views (before 16)."""
+    import pyarrow as pa
+
+    return bool(getattr(pa.types, predicate, lambda _: False)(kind))
