@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,18 @@ def _stacks_of_hung(proc: subprocess.Popen) -> str:
         proc.kill()
         output = proc.communicate()[0]
     return f"{output}\n(hung: aborted after the deadline)"
+
+
+def through_lightning(loader: Any) -> Iterator[Any]:
+    """One epoch of ``loader``'s batches read as Lightning's loops read them: its data fetcher
+    over a ``CombinedLoader``, on the calling thread (the loaders' ranks compare their plans
+    only there, where every rank's loop runs alike)."""
+    from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
+    from lightning.pytorch.utilities import CombinedLoader
+
+    fetcher = _PrefetchDataFetcher()
+    fetcher.setup(CombinedLoader(loader))
+    return (batch for batch, _, _ in fetcher)
 
 
 def write_result(result: Any) -> None:

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Sampler, SubsetRandomSampler
 
 from lightning_loaders import ResumableLoader, make_resumable
 from tests.conftest import IndexDataset
-from tests.ddp_harness import write_result
+from tests.ddp_harness import through_lightning, write_result
 
 N = 12
 
@@ -107,17 +107,6 @@ def _plain(sampler: Sampler[int] | None = None, **kwargs: Any) -> Any:
                                                                           **kwargs}))
 
 
-def _through_lightning(loader: Any) -> list[int]:
-    """One epoch of ``loader`` read as Lightning's loops read it: its data fetcher over a
-    ``CombinedLoader``."""
-    from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
-    from lightning.pytorch.utilities import CombinedLoader
-
-    fetcher = _PrefetchDataFetcher()
-    fetcher.setup(CombinedLoader(loader))
-    return [i for batch, _, _ in fetcher for i in batch["index"].tolist()]
-
-
 def main() -> None:
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo")
@@ -143,7 +132,8 @@ def main() -> None:
         epochs: list[list[int]] = []
         try:
             for _ in range(2):  # each iter() begins the next epoch
-                epochs.append(_through_lightning(loader))
+                epochs.append([i for batch in through_lightning(loader)
+                               for i in batch["index"].tolist()])
             results[name] = {"epochs": epochs}
         except Exception as exc:  # reported to the launching test
             results[name] = {"error": f"{type(exc).__name__}: {exc}", "epochs": epochs}
