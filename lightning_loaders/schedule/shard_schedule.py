@@ -208,12 +208,15 @@ class IterableSchedule(EpochOwner):
         stream whose ``len()`` differs between ranks or that does not begin with the same
         samples on every rank (``digest()``: of its first samples).
 
-        Every rank calls it at every epoch start (each ``iter()``, which every rank makes
-        alike), and whatever ``begin()`` raises on one rank (a plan it refuses, as a ``len()``
-        of its own can make it) waits until the ranks have compared, so the one small
-        collective cannot hang. The placement is the one ``begin()`` plans the epoch with,
-        resolved afresh (the last epoch's may be from before DDP started); without a process
-        group of its ranks (one process placed by hand) there is nothing to compare with."""
+        The loader calls it at every epoch start of Lightning's loops (the first ``next()`` of
+        an iterator its data fetcher made, on the main thread), which every rank runs alike;
+        whatever ``begin()`` raises on one rank (a plan it refuses, as a ``len()`` of its own
+        can make it) waits until the ranks have compared, so the one small collective cannot
+        hang. A loop of the user's is not compared: it may run on one rank alone, or in a
+        thread beside DDP's own collectives. The placement is the one ``begin()`` plans the
+        epoch with, resolved afresh (the last epoch's may be from before DDP started); without
+        a process group of its ranks (one process placed by hand) there is nothing to compare
+        with."""
         world_size = resolve_rank_world(*self._explicit_placement)[1]
         if world_size == 1 or group_size() != world_size:
             begin()

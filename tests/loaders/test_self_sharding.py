@@ -739,16 +739,19 @@ def test_ddp_datasets_splitting_by_torch_distributed_or_seeding_per_rank_are_ref
         data_dir, tmp_path) -> None:
     """What the sole-reader view cannot undo is caught on real ranks, never quietly wrong:
     with or without a length, the ranks compare their len() and their streams' first samples
-    at every epoch start, so a dataset that splits itself by rank (its len() the full one or
-    its share) or shuffles with a seed of each process is refused on every rank, as is a len()
-    that differs by rank, even where it makes one rank refuse its plan (nothing hangs), and
-    in the epoch after one read before DDP started (placed at rank 0 of 1). A WebDataset
-    seeding its shard shuffle per rank is read whole (the loader seeds its shuffles), and a
-    shuffle buffer drawing from the global RNGs is one stream on every rank: every id arrives
-    once."""
+    at every epoch start of Lightning's loops (its data fetcher, which every rank runs alike),
+    so a dataset that splits itself by rank (its len() the full one or its share) or shuffles
+    with a seed of each process is refused on every rank, as is a len() that differs by rank,
+    and in the epoch after one read before DDP started (placed at rank 0 of 1); a rank that
+    refuses to begin the epoch (its len() changed there alone) is waited for (nothing hangs).
+    A WebDataset seeding its shard shuffle per rank is read whole (the loader seeds its
+    shuffles), and a shuffle buffer drawing from the global RNGs is one stream on every rank:
+    every id arrives once. A loop of the user's compares nothing: on rank 0 alone it reads its
+    share (it waited for rank 1 forever), and in a thread it leaves the main thread's
+    all_reduce alone (gloo aborted: 'collective mismatch')."""
     runs = run_ddp(REPO / "tests" / "scripts" / "self_sharding_ddp.py", [str(data_dir)],
-                   tmp_path / "ddp")
-    for case in ("wds-seed-per-rank-w2", "shuffle-buffer-w0"):
+                   tmp_path / "ddp", timeout=120)
+    for case in ("wds-seed-per-rank-w2", "shuffle-buffer-w0", "thread-beside-all-reduce"):
         delivered = Counter(i for run in runs for i in run[case]["ids"])
         assert delivered == Counter(read_ids(str(data_dir))), case
     for rank, run in enumerate(runs):
@@ -757,11 +760,13 @@ def test_ddp_datasets_splitting_by_torch_distributed_or_seeding_per_rank_are_ref
             assert run[case].get("error", "").startswith(
                 "ValueError: the plain dataset's stream differs between ranks in epoch 0"), (
                 rank, case, run[case])
-        for case, low, high in (("len-per-rank-w0", 39, 40),
-                                ("len-per-rank-no-batch-on-one-w0", 7, 8)):
-            assert run[case].get("error", "").startswith(
-                f"ValueError: the plain dataset's len() differs between ranks (from {low} to "
-                f"{high}; {high - rank} here)"), (rank, case, run[case])
+        assert run["len-per-rank-w0"].get("error", "").startswith(
+            "ValueError: the plain dataset's len() differs between ranks (from 39 to 40; "
+            f"{40 - rank} here)"), (rank, run["len-per-rank-w0"])
+        changed = ("RuntimeError: another rank failed to begin epoch 0 of the plain dataset",
+                   "ValueError: the Declared's len() changed from 40 to 39")[rank]
+        assert run["len-changed-on-one-w0"].get("error", "").startswith(changed), (
+            rank, run["len-changed-on-one-w0"])
         before_ddp = run["read-before-ddp"]
         assert before_ddp["alone"] == sorted(read_ids(str(data_dir))), rank
         assert before_ddp.get("error", "").startswith(
@@ -770,3 +775,7 @@ def test_ddp_datasets_splitting_by_torch_distributed_or_seeding_per_rank_are_ref
         assert run["no-batch-on-both-w0"].get("error", "").startswith(
             "ValueError: last_batch='drop' leaves no batch on some rank"), (
             rank, run["no-batch-on-both-w0"])
+        assert run["thread-beside-all-reduce"]["grads"] == [3.0] * 5, rank
+    alone = runs[0]["rank-0-alone"]["ids"]
+    assert len(set(alone)) == len(alone) == 20 and set(alone) <= set(read_ids(str(data_dir)))
+    assert "rank-0-alone" not in runs[1]

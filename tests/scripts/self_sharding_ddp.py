@@ -2,8 +2,12 @@
 or declare another ``len()`` on each rank, under real DDP (launched by
 ``tests/loaders/test_self_sharding.py`` through ``tests/ddp_harness.run_ddp``).
 
-For each case it reads one epoch through ``ResumableLoader`` and reports either the ids this
-rank received or the error it raised::
+For each case it reads one epoch through ``ResumableLoader``, as Lightning's loops read it
+(through its data fetcher, where the ranks compare their streams), and reports either the ids
+this rank received or the error it raised; then rank 0 alone reads an epoch in a loop of its
+own, and each rank reads one in a thread beside an ``all_reduce`` of the main thread (both
+compared with nothing, so they neither wait for the other rank nor pair with its
+``all_reduce``)::
 
     {"<case>": {"ids": [...]} | {"error": "<type>: <message>"}, ...}
 
@@ -15,17 +19,19 @@ from __future__ import annotations
 import os
 import random
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import webdataset as wds
 from torch.utils.data import IterableDataset
 
 from lightning_loaders import ResumableLoader
-from tests.ddp_harness import write_result
+from tests.ddp_harness import through_lightning, write_result
 from tests.loaders.test_self_sharding import DistRankSplit, ShuffleBuffer, _wds_sample, read_ids
 
 
@@ -97,12 +103,44 @@ def read_before_ddp(ids: list[int]) -> dict[str, Any]:
     alone = sorted(i for batch in loader for i in batch["id"].tolist())
     os.environ.update(placing)
     dist.init_process_group("gloo")
+    return {"alone": alone, **read_epoch(loader)}
+
+
+def read_epoch(loader: ResumableLoader) -> dict[str, Any]:
+    """The ids of an epoch of ``loader`` read as Lightning's loops read it, or its error."""
     try:
-        return {"alone": alone, "ids": [i for batch in loader for i in batch["id"].tolist()]}
+        return {"ids": [i for batch in through_lightning(loader) for i in batch["id"].tolist()]}
     except Exception as exc:  # reported to the launching test
-        return {"alone": alone, "error": f"{type(exc).__name__}: {exc}"}
+        return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
         loader.close()
+
+
+def read_in_thread(ids: list[int]) -> dict[str, Any]:
+    """An epoch read in a thread (a user's prefetching thread) while the main thread runs an
+    ``all_reduce`` (DDP's gradients'): rank 0 reduces before its thread starts, rank 1 after
+    its thread ends, so a collective of the thread's would pair with the other rank's."""
+    loader = ResumableLoader(Declared(ids), batch_size=4)
+    read: dict[str, Any] = {}
+
+    def epoch() -> None:
+        try:
+            read["ids"] = [i for batch in loader for i in batch["id"].tolist()]
+        except Exception as exc:  # reported to the launching test
+            read["error"] = f"{type(exc).__name__}: {exc}"
+
+    thread = threading.Thread(target=epoch)
+    grads = torch.full((5,), float(dist.get_rank() + 1))
+    if dist.get_rank() == 0:
+        dist.all_reduce(grads)
+        thread.start()
+    else:
+        thread.start()
+        thread.join()
+        dist.all_reduce(grads)
+    thread.join()
+    loader.close()
+    return {**read, "grads": grads.tolist()}
 
 
 def main() -> None:
@@ -110,8 +148,8 @@ def main() -> None:
     data_dir = sys.argv[1]
     ids = read_ids(data_dir)
     before_ddp = read_before_ddp(ids)  # starts the process group
-    # (dataset, num_workers, drop_last): under drop_last, 8 samples declared 7 on rank 1 leave
-    # rank 1 without a batch (its plan is refused), and 6 samples leave both ranks without one
+    # (dataset, num_workers, drop_last): under drop_last, 6 samples leave both ranks without a
+    # batch (refused at the len() Lightning reads first)
     cases: dict[str, tuple[Callable[[], Any], int, bool]] = {
         "dist-unsized-w0": (lambda: UnsizedDistRankSplit(ids), 0, False),
         "dist-unsized-w2": (lambda: UnsizedDistRankSplit(ids), 2, False),
@@ -121,20 +159,26 @@ def main() -> None:
         "own-shuffle-sized-w0": (lambda: OwnShuffle(ids), 0, False),
         "own-shuffle-sized-w2": (lambda: OwnShuffle(ids), 2, False),
         "len-per-rank-w0": (lambda: Declared(ids, less=1), 0, False),
-        "len-per-rank-no-batch-on-one-w0": (lambda: Declared(ids[:8], less=1), 0, True),
         "no-batch-on-both-w0": (lambda: Declared(ids[:6]), 0, True),
         "shuffle-buffer-w0": (lambda: ShuffleBuffer(ids), 0, False),
         "wds-seed-per-rank-w2": (lambda: webdataset_seeded_per_rank(data_dir), 2, False),
     }
     results: dict[str, Any] = {"read-before-ddp": before_ddp}
     for name, (build, workers, drop) in cases.items():
-        loader = ResumableLoader(build(), batch_size=4, num_workers=workers, drop_last=drop)
-        try:
-            results[name] = {"ids": [i for batch in loader for i in batch["id"].tolist()]}
-        except Exception as exc:  # reported to the launching test
-            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-        loader.close()
+        results[name] = read_epoch(ResumableLoader(build(), batch_size=4, num_workers=workers,
+                                                   drop_last=drop))
         dist.barrier()
+    shrunk = Declared(ids)
+    loader = ResumableLoader(shrunk, batch_size=4)
+    shrunk.less = 1  # rank 1's data lose a sample after len() was planned: it refuses to begin
+    results["len-changed-on-one-w0"] = read_epoch(loader)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        alone = ResumableLoader(Declared(ids), batch_size=4)
+        results["rank-0-alone"] = {"ids": [i for batch in alone for i in batch["id"].tolist()]}
+        alone.close()
+    dist.barrier()
+    results["thread-beside-all-reduce"] = read_in_thread(ids)
     write_result(results)
 
 
