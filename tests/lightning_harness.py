@@ -3,20 +3,24 @@
 ``fit_recording`` trains a tiny model and returns ``(epoch, batch_idx, key(batch))`` per step;
 ``check_trainer_resume`` checkpoints after every step, resumes from each checkpoint with
 ``Trainer.fit(ckpt_path=...)`` in a new Trainer and model, and compares with the uninterrupted
-run. Used for the core loader, iterables and adapters alike.
+run. Used for the core loader, iterables and adapters alike. ``fetched_cases`` reads several
+loaders through Lightning's data fetcher alone (``ddp_harness.through_lightning``), without a
+Trainer, on every rank of a process group.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+
+from tests.ddp_harness import through_lightning
 
 Step = tuple[int, int, Any]
 
@@ -67,6 +71,28 @@ class EvaluatingModule(RecordingModule):
 
     def predict_step(self, batch: Any, batch_idx: int) -> None:
         self.evaluated["predict"].append(self.key(batch))
+
+
+def fetched_cases(cases: Mapping[str, Callable[[], Any]],
+                  key: Callable[[Any], list[Any]] = default_key) -> dict[str, Any]:
+    """One rank's reading of each case's loader under a process group: built, two epochs read
+    by ``through_lightning`` (each ``iter()`` begins the next epoch), closed, then a barrier. Per
+    case ``{"epochs": [[...], [...]]}`` (each epoch's samples, as ``key`` lists a batch's),
+    with ``"error": "<type>: <message>"`` when it raised (after the epochs it read)."""
+    results: dict[str, Any] = {}
+    for name, build in cases.items():
+        loader = build()
+        epochs: list[list[Any]] = []
+        try:
+            for _ in range(2):
+                epochs.append([item for batch in through_lightning(loader)
+                               for item in key(batch)])
+            results[name] = {"epochs": epochs}
+        except Exception as exc:  # reported to the launching test
+            results[name] = {"error": f"{type(exc).__name__}: {exc}", "epochs": epochs}
+        loader.close()
+        torch.distributed.barrier()
+    return results
 
 
 def evaluate_recording(make_loader: Callable[[], Any], root: Path,

@@ -25,7 +25,8 @@ from torch.utils.data import DataLoader, Sampler, SubsetRandomSampler
 
 from lightning_loaders import ResumableLoader, make_resumable
 from tests.conftest import IndexDataset
-from tests.ddp_harness import through_lightning, write_result
+from tests.ddp_harness import write_result
+from tests.lightning_harness import fetched_cases
 
 N = 12
 
@@ -126,19 +127,7 @@ def main() -> None:
         "rank-share-placed-by-hand": lambda: ResumableLoader(
             IndexDataset(N), sampler=RankShare(N), batch_size=2, rank=0, world_size=1),
     }
-    results: dict[str, Any] = {}
-    for name, build in cases.items():
-        loader = build()
-        epochs: list[list[int]] = []
-        try:
-            for _ in range(2):  # each iter() begins the next epoch
-                epochs.append([i for batch in through_lightning(loader)
-                               for i in batch["index"].tolist()])
-            results[name] = {"epochs": epochs}
-        except Exception as exc:  # reported to the launching test
-            results[name] = {"error": f"{type(exc).__name__}: {exc}", "epochs": epochs}
-        loader.close()
-        dist.barrier()
+    results = fetched_cases(cases)
     if rank == 0:
         alone = _plain(shuffle=True)
         results["rank-0-alone"] = {"epochs": [[i for batch in alone
