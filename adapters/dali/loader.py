@@ -97,7 +97,10 @@ class DALILoader(DeliveryCore):
     ``iter()`` is cheap; the pipeline is built at the first ``next()`` (in reader mode also by
     ``len()`` or ``state_dict()``, which need the reader's size). Under DDP, ``state_dict()``
     gathers every rank's DALI checkpoint, so every rank must call it together, as Lightning
-    does. In external-source mode with ``py_start_method="spawn"`` the dataset must pickle.
+    does; in Lightning's loops the ranks compare their plans at every epoch start, as
+    ``ResumableLoader``'s do (in reader mode the order's length is the reader's epoch size), and
+    refuse a difference. In external-source mode with ``py_start_method="spawn"`` the dataset
+    must pickle.
     """
 
     def __init__(
@@ -267,7 +270,7 @@ class DALILoader(DeliveryCore):
                 "(dataset=...) for elastic resume"
             )
         self._restore = None
-        schedule.begin_epoch()
+        self._begin_map_epoch(schedule)
         if schedule.remaining == 0:
             # A restored cursor at its epoch's end that stays exhausted (the trainer is still
             # in that epoch, a CombinedLoader(mode="max_size") draining longer members): nothing

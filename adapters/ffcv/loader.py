@@ -6,7 +6,9 @@ FFCV ``Loader`` is handed this rank's remaining planned indices as its traversal
 with a raw ``ffcv.loader.Loader`` under Lightning:
 
 - no process group is needed: the FFCV loader is built at the first ``next()`` and sharding is
-  done by our plan (equal batch counts on every rank), not by ``distributed=True``;
+  done by our plan (equal batch counts on every rank), not by ``distributed=True``; in
+  Lightning's DDP loops the ranks compare their plans at every epoch start (a seed, a
+  ``.beton`` length or ``indices`` per rank is refused), as ``ResumableLoader``'s do;
 - ``iter()`` is free: Lightning's extra ``iter()`` no longer burns epoch 0, and ``set_epoch`` is
   honoured as in the core loader;
 - ``state_dict()``/``load_state_dict()`` resume mid-epoch exactly (the rest of the epoch is
@@ -385,7 +387,7 @@ class FFCVLoader(DeliveryCore):
 
     def _open_epoch(self) -> Iterator[tuple[Any, ...]]:
         """Decide where the epoch starts, then deliver from there."""
-        self.schedule.begin_epoch()
+        self._begin_map_epoch(self.schedule)
         return self._reopen()
 
     def _reopen(self) -> Iterator[tuple[Any, ...]]:

@@ -20,7 +20,8 @@ batches). What users and Lightning see is the same for all of them and lives her
   after an error goes on from the cursor;
 - ``repr()`` says where the loader is.
 
-A loader implements ``_open_epoch`` (decide the epoch and open the engine at the cursor),
+A loader implements ``_open_epoch`` (decide the epoch and open the engine at the cursor; over a
+``MapSchedule``, ``_begin_map_epoch`` begins it, compared across the ranks in Lightning's loops),
 ``_reopen`` (the rest of the current epoch from the cursor, after an error or ``close()``),
 ``_describe`` (its own ``repr`` fields) and extends ``close``; the iterators they return count
 each batch with the schedule as they hand it over (``counted`` does it for an engine that
@@ -48,6 +49,7 @@ from lightning_loaders.loaders.prefetch import (
     note_held,
 )
 from lightning_loaders.orders.from_torch import SamplerEpochs
+from lightning_loaders.schedule.map_schedule import MapSchedule
 from lightning_loaders.state import PARTS
 
 __all__ = [
@@ -285,6 +287,17 @@ class DeliveryCore:
         """Decide which epoch and batch come next (``schedule.begin_epoch()``) and return the
         rest of that epoch, each batch counted as it is handed over."""
         raise NotImplementedError
+
+    def _begin_map_epoch(self, schedule: MapSchedule) -> None:
+        """Begin ``schedule``'s next epoch, in Lightning's loops compared across the ranks
+        (``begin_agreed_epoch``): each rank shards its own plan, so ranks whose plans differ
+        would repeat and lose samples, or hang on different batch counts. Those loops run on
+        every rank alike; a loop of the user's may run on one rank alone, or in a thread beside
+        DDP's own collectives, so it compares nothing."""
+        if self._lightning_iterates:
+            schedule.begin_agreed_epoch()
+        else:
+            schedule.begin_epoch()
 
     def _reopen(self) -> Iterator[Any]:
         """The rest of the current epoch from the delivered cursor (after an error or

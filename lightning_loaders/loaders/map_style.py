@@ -303,10 +303,7 @@ class MapStyleLoader(ResumableLoader):
             # indices) read again, or the new collate_fn
         schedule = self.schedule
         self._follow_mix()
-        if self._lightning_iterates:  # every rank's loop, where the ranks can compare plans
-            schedule.begin_agreed_epoch()
-        else:
-            schedule.begin_epoch()
+        self._begin_map_epoch(schedule)
         self._restored = False
         self._window.resumed(schedule.epoch, schedule.batches)
         self._epoch_restarts = 0

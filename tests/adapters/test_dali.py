@@ -195,11 +195,23 @@ def test_trainer_gives_placement_and_epochs_in_order(files, tmp_path, mode):
         assert sorted(seen) == list(range(N))
 
 
-def test_ddp_two_ranks_cover_each_epoch_once_and_resume_exactly(jpeg_dir, tmp_path):
-    steps = [2, 4, 7]  # mid epoch 0, end of epoch 0, mid epoch 1 (4 batches per epoch)
+DDP_RESUME_STEPS = [2, 4, 7]  # mid epoch 0, end of epoch 0, mid epoch 1 (4 batches per epoch)
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(jpeg_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
+    """One real 2-rank gloo DDP run of ``tests/scripts/dali_ddp.py``: its directory, and what
+    each rank reported."""
+    root = tmp_path_factory.mktemp("dali_ddp")
     results = run_ddp(REPO / "tests/scripts/dali_ddp.py",
-                      ["--files", str(jpeg_dir), "--root", str(tmp_path), "--resume-steps",
-                       *map(str, steps)], tmp_path / "results")
+                      ["--files", str(jpeg_dir), "--root", str(root), "--resume-steps",
+                       *map(str, DDP_RESUME_STEPS)], root / "results")
+    return root, results
+
+
+def test_ddp_two_ranks_cover_each_epoch_once_and_resume_exactly(ddp_runs):
+    root, results = ddp_runs
+    steps = DDP_RESUME_STEPS
     for mode in MODES:
         ranks = [r[mode] for r in results]
         assert ranks[0]["len"] == ranks[1]["len"] == 4
@@ -211,10 +223,31 @@ def test_ddp_two_ranks_cover_each_epoch_once_and_resume_exactly(jpeg_dir, tmp_pa
         for rank in ranks:
             for step in steps:
                 assert rank["resumed"][str(step)] == rank["full"][step:], (mode, step)
-        saved = torch.load(tmp_path / mode / "step=2.ckpt", weights_only=False)
+        saved = torch.load(root / mode / "step=2.ckpt", weights_only=False)
         entries = _dali_entries(saved)
         assert len(entries) == 2 and all(e is not None for e in entries)
         assert entries[0]["checkpoint"] != entries[1]["checkpoint"]
+
+
+def test_ddp_plans_that_differ_between_ranks_are_refused_in_lightnings_loops(ddp_runs):
+    """Each rank shards its own plan: read through Lightning's data fetcher, the ranks compare
+    it at every epoch start and refuse, on every rank and showing each rank's value, a seed or
+    a file list of another length on one rank, in external-source mode and in reader mode
+    (where the length is the reader's epoch size: a reader given fewer files on one rank).
+    Before, they read on: a seed per rank repeated 12 and lost 12 of 41 samples in
+    epoch 0; 40 files on rank 1 repeated one sample and lost one, and a reader of 39 files
+    repeated one and lost two."""
+    length = ("ValueError: the order's length (the sampler's len(), else the dataset's) differs "
+              "between ranks")
+    refused = {
+        "source-seed-per-rank": "ValueError: the loader's seed differs between ranks (7 on rank "
+                                "0, 8 on rank 1)",
+        "source-files-per-rank": f"{length} (41 on rank 0, 40 on rank 1)",
+        "reader-files-per-rank": f"{length} (41 on rank 0, 39 on rank 1)",
+    }
+    for rank in ddp_runs[1]:
+        for case, start in refused.items():
+            assert rank["differing"][case].get("error", "").startswith(start), (case, rank)
 
 
 def _dali_entries(tree: Any) -> Any:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -42,10 +43,13 @@ LABELS_ONLY = {"image": None}
 
 
 class _Images:
-    """Sample ``i``: a 16x16 RGB image filled with ``i % 251``, and the label ``i``."""
+    """Sample ``i`` of ``n``: a 16x16 RGB image filled with ``i % 251``, and the label ``i``."""
+
+    def __init__(self, n: int = N) -> None:
+        self.n = n
 
     def __len__(self) -> int:
-        return N
+        return self.n
 
     def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
         return np.full((16, 16, 3), index % PIXEL_MODULUS, dtype=np.uint8), index
@@ -302,13 +306,24 @@ def test_validate_test_and_predict_read_every_sample_once(beton: Path, tmp_path:
         assert [i for batch in batches for i in batch] == list(range(N)), stage
 
 
-def test_two_rank_ddp_exactly_once_equal_counts_and_exact_resume(beton: Path,
-                                                                  tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def ddp_runs(beton: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
+    """One real 2-rank gloo DDP run of ``tests/scripts/ffcv_fit.py`` (its directory, and what
+    each rank reported): rank 1 reads a ``.beton`` of 36 samples where one case asks."""
+    root = tmp_path_factory.mktemp("ffcv_ddp")
+    shorter = write_beton(root / "shorter.beton", _Images(36), ["image", "label"],
+                          num_workers=1, progress=False)
+    ranks = run_ddp(REPO / "tests" / "scripts" / "ffcv_fit.py",
+                    ["--beton", str(beton), "--shorter", str(shorter), "--root", str(root),
+                     "--batch-size", "4", "--epochs", "2", "--resume-steps", "4", "6"],
+                    root / "results")
+    return root, ranks
+
+
+def test_two_rank_ddp_exactly_once_equal_counts_and_exact_resume(
+        beton: Path, ddp_runs: tuple[Path, list[Any]], tmp_path: Path) -> None:
     """Real 2-rank gloo DDP; then the 2-rank checkpoint mid-epoch resumed on one process."""
-    script = REPO / "tests" / "scripts" / "ffcv_fit.py"
-    ranks = run_ddp(script, ["--beton", str(beton), "--root", str(tmp_path), "--batch-size",
-                             "4", "--epochs", "2", "--resume-steps", "4", "6"],
-                    tmp_path / "results")
+    root, ranks = ddp_runs
     fulls = [[(e, i, b) for e, i, b in rank["full"]] for rank in ranks]
     steps = len(fulls[0]) // 2
     assert [rank["len"] for rank in ranks] == [steps, steps] == [6, 6]
@@ -323,13 +338,34 @@ def test_two_rank_ddp_exactly_once_equal_counts_and_exact_resume(beton: Path,
     mid = 4  # inside epoch 0, just before rank 1's padded batch of 3
     single = fit_recording(
         lambda: FFCVLoader(beton, batch_size=4, num_workers=1, order="random", seed=11),
-        tmp_path, 2, ckpt_path=checkpoint_at(tmp_path / "checkpoints", mid),
+        tmp_path, 2, ckpt_path=checkpoint_at(root / "checkpoints", mid),
         model=RecordingModule(labels_key))
     before = [i for full in fulls for _, _, b in full[:mid] for i in b]
     after_epoch0 = [i for e, _, b in single if e == 0 for i in b]
     assert sorted(before + after_epoch0) == list(range(N)), "epoch 0 finished exactly once"
     epoch1 = [b for e, _, b in single if e == 1]
     assert epoch1 == core_batches(1, 0, 4, "keep", 2)[1]
+
+
+def test_ddp_plans_that_differ_between_ranks_are_refused_in_lightnings_loops(
+        ddp_runs: tuple[Path, list[Any]]) -> None:
+    """Each rank shards its own plan: read through Lightning's data fetcher, the ranks compare
+    it at every epoch start and refuse a seed, a ``.beton`` length or ``indices`` per rank on
+    every rank, showing each rank's value. Before, they read on: a seed per rank repeated 10
+    and lost 10 of 41 samples in epoch 0, a ``.beton`` of 36 samples on rank 1 gave the ranks
+    6 and 5 batches (a DDP fit hung), and ``indices`` split by rank (20 each) read 20 of their
+    40 samples, each rank its share of its own."""
+    refused = {
+        "seed-per-rank": "ValueError: the loader's seed differs between ranks (11 on rank 0, 12 "
+                         "on rank 1)",
+        "beton-per-rank": "ValueError: the order's length (the sampler's len(), else the "
+                          "dataset's) differs between ranks (41 on rank 0, 36 on rank 1)",
+        "indices-per-rank": "ValueError: the order differs between ranks in epoch 0 (its first "
+                            "indices: [14, 2, 22, 18] on rank 0, [15, 3, 23, 19] on rank 1)",
+    }
+    for rank in ddp_runs[1]:
+        for case, start in refused.items():
+            assert rank["differing"][case].get("error", "").startswith(start), (case, rank)
 
 
 @pytest.mark.parametrize("mode", ["max_size", "max_size_cycle", "min_size"])

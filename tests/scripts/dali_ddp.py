@@ -1,12 +1,17 @@
-"""One rank of 2-process DDP ``Trainer.fit`` runs with ``DALILoader`` (run by tests/ddp_harness).
+"""One rank of 2-process DDP runs with ``DALILoader`` (run by tests/ddp_harness).
 
-For each mode (reader, external source): an uninterrupted run checkpointing every step, then
-runs resumed from the checkpoints after ``--resume-steps``. Reports per mode what every step saw
-on this rank, and ``len(loader)``.
+First, loaders whose plan differs between ranks (a seed or a file list per rank) read two
+epochs as Lightning's loops read them (through its data fetcher, where the ranks compare their
+plans): reported per case as the labels this rank received in each epoch, or the error it
+raised. Then, for each mode (reader, external source), ``Trainer.fit``: an uninterrupted run
+checkpointing every step, then runs resumed from the checkpoints after ``--resume-steps``.
+Reports per mode what every step saw on this rank, and ``len(loader)``.
 """
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -15,6 +20,7 @@ from tests.lightning_harness import (
     RecordingModule,
     checkpoint_at,
     every_step_checkpoints,
+    fetched_cases,
     fit_recording,
 )
 from tests.scripts.dali_common import key, make_loader
@@ -27,6 +33,15 @@ parser.add_argument("--batch-size", type=int, default=6)
 parser.add_argument("--resume-steps", type=int, nargs="*", default=[])
 args = parser.parse_args()
 files = sorted(str(p) for p in args.files.glob("*.jpg"))
+
+dist.init_process_group("gloo")  # the Trainers below join it
+rank = dist.get_rank()
+cases: dict[str, Callable[[], Any]] = {
+    "source-seed-per-rank": lambda: make_loader("source", files, seed=7 + rank),
+    "source-files-per-rank": lambda: make_loader("source", files[:len(files) - rank]),
+    "reader-files-per-rank": lambda: make_loader("reader", files[:len(files) - 2 * rank]),
+}
+differing = fetched_cases(cases, key=lambda batch: key(batch)[0])  # the labels
 
 result = {}
 for mode in ("reader", "source"):
@@ -43,4 +58,4 @@ for mode in ("reader", "source"):
     }
     result[mode] = {"len": len(make_loader(mode, files, args.batch_size)), "full": full,
                     "resumed": resumed}
-write_result({"rank": dist.get_rank(), **result})
+write_result({"rank": rank, "differing": differing, **result})
