@@ -495,7 +495,8 @@ class SlotFetcher(Dataset[Any]):
             reader.close()
         assert request.start is not None
         self.set_epoch(request.epoch)
-        layout = plan_epoch(self.config, request.epoch, request.world_size, self.slots)
+        layout = plan_epoch(self.config, request.epoch, request.world_size, self.slots,
+                            request.origin)
         key = mix64(self.config.seed, request.epoch, request.rank, request.slot, _WINDOW_SALT)
         reader = SlotReader(self.source, layout.pieces[request.rank][request.slot],
                             request.start, self.window, key, request.generation,

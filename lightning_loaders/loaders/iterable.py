@@ -72,9 +72,11 @@ The plan of an epoch
     With canonical partitions, resuming mid-epoch with another ``num_workers`` or world size
     continues exactly; otherwise (unknown lengths, ``"rollover"``, plain datasets) it is refused
     with an error saying why (the slots' streams would differ); at an epoch boundary any
-    configuration resumes. A worker process that dies is replaced the same way: all workers restart
-    from the position of the last batch received, so the stream goes on as if nothing happened (at
-    most ``max_worker_restarts`` times per epoch).
+    configuration resumes (under ``"rollover"`` on another world size, the leftovers the saved
+    run carried over open the next epoch, and the stream is cut into the new global batches
+    from there on; the state saves where). A worker process that dies is replaced the same
+    way: all workers restart from the position of the last batch received, so the stream goes
+    on as if nothing happened (at most ``max_worker_restarts`` times per epoch).
 
 Out-of-order delivery (``in_order=False``)
     With canonical partitions every batch of a rank is a numbered request that says by itself

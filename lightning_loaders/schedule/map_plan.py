@@ -154,12 +154,18 @@ class EpochPlan:
                 and self.stop - self.start >= self.global_batch_size)
 
 
-def rollover_span(epoch: int, length: int, global_batch_size: int) -> tuple[int, int]:
+def rollover_span(epoch: int, length: int, global_batch_size: int,
+                  origin: tuple[int, int] = (0, 0)) -> tuple[int, int]:
     """Stream positions ``[start, stop)`` of ``epoch`` under ``last_batch="rollover"``.
 
     Epochs are laid end to end as one stream; global batches are cut from the stream, and a
     batch belongs to the epoch in which it completes, so an epoch's leftover samples open the
-    next one (as MXNet Gluon's ``rollover``).
+    next one (as MXNet Gluon's ``rollover``). ``origin``: the ``(epoch, stream position)`` the
+    cutting starts at, where epoch ``epoch`` (or an earlier one) begins: a resume under another
+    global batch size cuts the stream anew from where the saved run's epoch ended, so the
+    leftovers it carried over open the next epoch whole.
     """
     g = global_batch_size
-    return (epoch * length) // g * g, ((epoch + 1) * length) // g * g
+    first_epoch, position = origin
+    start = position if epoch == first_epoch else position + (epoch * length - position) // g * g
+    return start, position + ((epoch + 1) * length - position) // g * g

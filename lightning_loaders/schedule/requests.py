@@ -75,6 +75,7 @@ class SlotRequest(NamedTuple):
     batch: int
     size: int
     start: Cursor | None  # the slot's cursor when this generation began
+    origin: tuple[int, int] = (0, 0)  # "rollover": where the plan cuts the stream from
 
 
 class PartRequest(NamedTuple):

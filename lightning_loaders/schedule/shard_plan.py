@@ -2,7 +2,9 @@
 (rank, worker) slot reads, and (known lengths) the sizes of its batches.
 
 A pure function of the shards, ``(seed, epoch, world_size, slots per rank)`` and the batch
-policy; ``ResumableIterableLoader``'s module docstring describes it in words.
+policy (under ``"rollover"``, also the stream position global batches are cut from:
+``rollover_span``'s ``origin``); ``ResumableIterableLoader``'s module docstring describes it
+in words.
 """
 
 from __future__ import annotations
@@ -70,12 +72,13 @@ class Layout:
 
 
 @functools.lru_cache(maxsize=16)
-def plan_epoch(config: PlanConfig, epoch: int, world_size: int, slots: int) -> Layout:
+def plan_epoch(config: PlanConfig, epoch: int, world_size: int, slots: int,
+               origin: tuple[int, int] = (0, 0)) -> Layout:
     if config.lengths is None:
         return _unknown_layout(config, epoch, world_size, slots)
     if config.strided:
         return _strided_layout(config, world_size, slots)
-    return _span_layout(config, epoch, world_size, slots)
+    return _span_layout(config, epoch, world_size, slots, origin)
 
 
 @functools.lru_cache(maxsize=4)
@@ -87,14 +90,15 @@ def shard_order(config: PlanConfig, epoch: int) -> np.ndarray:
     return KeyedPermutation(n, mix64(config.seed, epoch, _SHARD_ORDER_SALT))[np.arange(n)]
 
 
-def _span_layout(config: PlanConfig, epoch: int, world_size: int, slots: int) -> Layout:
+def _span_layout(config: PlanConfig, epoch: int, world_size: int, slots: int,
+                 origin: tuple[int, int]) -> Layout:
     """Known lengths: contiguous spans of the epoch's samples per rank, then per slot."""
     assert config.lengths is not None
     total, size, policy = sum(config.lengths), config.batch_size, config.last_batch
     global_batch = world_size * size
     base = 0
     if policy == "rollover":
-        base, stop = rollover_span(epoch, total, global_batch)
+        base, stop = rollover_span(epoch, total, global_batch, origin)
         per_rank = [(size,) * ((stop - base) // global_batch)] * world_size
     elif policy == "drop":
         if total < global_batch:

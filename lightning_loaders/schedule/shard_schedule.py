@@ -14,6 +14,7 @@ from lightning_loaders.collectives import agree_range, gather_by_rank, group_siz
 from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.placement import resolve_rank_world
 from lightning_loaders.schedule.epochs import EpochOwner, still_draining, warn_past_len
+from lightning_loaders.schedule.map_plan import rollover_span
 from lightning_loaders.schedule.partition_plan import advanced, deal, uses_partitions
 from lightning_loaders.schedule.requests import (
     SKIP,
@@ -37,6 +38,7 @@ __all__ = ["IterableSchedule"]
 KIND = "iterable"
 SLOTS = "slots"  # the part: {"per_rank": slots per rank, "ended": ..., "positions": [rank][slot]}
 _PER_RANK, _ENDED, _POSITIONS = "per_rank", "ended", "positions"
+_ORIGIN = "origin"  # "rollover": rollover_span's [epoch, stream position] (absent while 0, 0)
 # canonical partitions: their number, and [first item, first batch] of the epoch's last deal
 _PARTITIONS, _BASE = "partitions", "base"
 
@@ -52,6 +54,7 @@ class IterableSchedule(EpochOwner):
         self.requested_partitions = partitions
         self.partitions: int | None = None  # fixed at the first epoch, or by a loaded state
         self.base = (0, 0, 0)  # (first item, first batch, skip) of the current epoch's deal
+        self.origin = (0, 0)  # "rollover": the (epoch, stream position) batches are cut from
         self.first_request = 0  # the batch the current generation begins with
         self._fingerprint = fingerprint
         super().__init__(rank, world_size)
@@ -112,6 +115,9 @@ class IterableSchedule(EpochOwner):
         pending = self._pending
         declared = pending is not None and self._declared_for is pending
         trainer = self._trainer_epoch
+        if pending is not None and pending.abandoned:  # EpochOwner skips _resume for it
+            world_size = resolve_rank_world(*self._explicit_placement)[1]
+            self.origin = self._restored_origin(pending, world_size)
         super().begin_epoch()
         self._open_tail = (pending is not None and not self.known and not pending.abandoned
                            and pending.batches > 0 and (self.epoch, self.batches)
@@ -168,7 +174,7 @@ class IterableSchedule(EpochOwner):
                     for t in range(self.first_request, self.base[1] + len(batches)))
         sizes = self.layout.sizes[rank] if self.layout.sizes is not None else None
         return _requests(self.generation, self.epoch, rank, world_size, self.starts, sizes,
-                         self.config.batch_size, self.exhausted, with_skips)
+                         self.config.batch_size, self.exhausted, with_skips, self.origin)
 
     def received(self, item: Delivered | SlotEnd) -> None:
         """Note what a slot answered (before delivery, so that later requests and a restart
@@ -288,7 +294,7 @@ class IterableSchedule(EpochOwner):
         if self.canonical:
             self.epoch = epoch
             return Layout(((),) * self.placement[1], None, self.base[1] + len(self._dealt()))
-        layout = plan_epoch(self.config, epoch, self.placement[1], self.slots)
+        layout = plan_epoch(self.config, epoch, self.placement[1], self.slots, self.origin)
         if self.synced and not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 f"a dataset of unknown length on {self.placement[1]} ranks needs an initialised "
@@ -312,10 +318,12 @@ class IterableSchedule(EpochOwner):
         slots = state.parts[SLOTS]
         workers, ended = slots[_PER_RANK], bool(slots.get(_ENDED, False))
         self._owner = state.trainer_epoch
+        origin = self._restored_origin(state, world_size)
         if self.canonical:
             self._resume_partitions(slots, state.epoch, state.world_size, state.batches)
         if ended:
             self.epoch, self.batches, self.ended = state.epoch, state.batches, True
+            self.origin = origin
             return
         if (state.batches and not self.canonical
                 and (state.world_size, workers) != (world_size, self.slots)):
@@ -333,6 +341,7 @@ class IterableSchedule(EpochOwner):
                     "layout" if self.config.strided else
                     "Only known shard lengths without last_batch='rollover' plan over canonical "
                     "partitions, which resume under any layout"))
+        self.origin = origin
         layout = self._layout(state.epoch)
         if not state.batches or self.canonical:
             cursors = _first_cursors(layout, rank)
@@ -394,9 +403,27 @@ class IterableSchedule(EpochOwner):
             return len(deal(self.config, state.epoch, partitions, world_size, first, skip)[rank])
         if not self.known or (state.batches and state.world_size != world_size):
             return None
-        layout = plan_epoch(self.config, state.epoch, world_size, self.slots)
+        layout = plan_epoch(self.config, state.epoch, world_size, self.slots,
+                            self._restored_origin(state, world_size))
         assert layout.num_batches is not None
         return layout.num_batches - state.batches
+
+    def _restored_origin(self, state: LoaderState, world_size: int) -> tuple[int, int]:
+        """``rollover_span``'s origin for a restored state on ``world_size``: the saved one on
+        the saved world size; on another, the saved run's stream position at the state's
+        epoch start (a state at batch 0) or end, so that the leftovers that run carried over
+        open the next epoch whole, cut into this world size's global batches (the cuts
+        depend on the world size; mid-epoch, ``_resume`` refuses the state)."""
+        first, position = state.parts[SLOTS].get(_ORIGIN, (0, 0))
+        if self.config.last_batch != "rollover" or state.world_size == world_size:
+            return first, position
+        assert self.config.lengths is not None
+        ended = state.abandoned or bool(state.parts[SLOTS].get(_ENDED, False))
+        if ended and first > state.epoch:  # the saved origin is where the epoch ended
+            return first, position
+        start, stop = rollover_span(state.epoch, sum(self.config.lengths),
+                                    state.world_size * self.config.batch_size, (first, position))
+        return (state.epoch + 1, stop) if ended else (state.epoch, start)
 
     def saved_batches(self, state: LoaderState, rank: int) -> int:
         """Canonical partitions: batches of ``rank`` in the epoch a saved state is in (the
@@ -456,6 +483,8 @@ class IterableSchedule(EpochOwner):
             return self._pending.to_dict()
         rank, world_size = self.placement
         slots: dict[str, Any] = {_PER_RANK: self.slots, _ENDED: False}
+        if self.origin != (0, 0):
+            slots[_ORIGIN] = list(self.origin)
         if self.canonical and self.partitions is not None:
             slots[_PARTITIONS] = self.partitions
             if self.base != (0, 0, 0):
@@ -496,6 +525,15 @@ class IterableSchedule(EpochOwner):
             raise StateMismatchError(
                 "corrupted loader state: a mid-epoch state of a dataset of unknown length "
                 f"needs parts[{SLOTS!r}][{_POSITIONS!r}] (the slots' positions)")
+        origin = slots.get(_ORIGIN, (0, 0))
+        total = sum(self.config.lengths or ())
+        if not (isinstance(origin, list | tuple) and len(origin) == 2
+                and all(type(value) is int for value in origin)
+                and 0 <= origin[0] <= state.epoch + 1 and 0 <= origin[1] <= origin[0] * total):
+            raise StateMismatchError(
+                f"corrupted loader state: parts[{SLOTS!r}][{_ORIGIN!r}] must be [epoch, stream "
+                f"position] with epoch <= {state.epoch + 1} (the state's epoch + 1) and "
+                f"position <= epoch x {total} samples; got {origin!r}")
         self._pending = state
 
 
@@ -514,7 +552,8 @@ def _first_cursors(layout: Layout, rank: int) -> list[Cursor]:
 
 def _requests(generation: int, epoch: int, rank: int, world_size: int,
               starts: tuple[Cursor, ...], sizes: tuple[tuple[int, ...], ...] | None,
-              batch_size: int, exhausted: set[int], with_skips: bool) -> Iterator[SlotRequest]:
+              batch_size: int, exhausted: set[int], with_skips: bool,
+              origin: tuple[int, int]) -> Iterator[SlotRequest]:
     """Requests round-robin over slots: slot ``w``'s ``k``-th batch comes in round ``k``.
 
     With workers, every round asks every slot (finished ones with a skip request), so request
@@ -537,7 +576,7 @@ def _requests(generation: int, epoch: int, rank: int, world_size: int,
             if next_batch[w] == round_ and not done(w):
                 size = sizes[w][round_] if sizes is not None else batch_size
                 yield SlotRequest(generation, epoch, rank, world_size, w, round_, size,
-                                  starts[w])
+                                  starts[w], origin)
                 next_batch[w] += 1
             elif with_skips:
                 yield SKIP

@@ -24,7 +24,13 @@ from lightning_loaders.sources.shards import (
     SequenceSource,
     write_records,
 )
-from lightning_loaders.testing import check_resume_at_every_step, run_epochs, set_epoch
+from lightning_loaders.state import abandoned
+from lightning_loaders.testing import (
+    check_resume_at_every_step,
+    checkpoint_roundtrip,
+    run_epochs,
+    set_epoch,
+)
 from tests.conftest import IndexDataset, loader_processes
 from tests.ddp_harness import REPO, run_ddp
 from tests.lightning_harness import check_trainer_resume
@@ -292,6 +298,93 @@ def test_at_an_epoch_boundary_any_configuration_resumes() -> None:
     expected = run_epochs(make(0), range(2), key=flat)[1]  # the saved partitions go on
     assert [flat(b) for b in resumed] == expected
     resumed.close()
+
+
+def _rollover(rank: int, world: int, workers: int = 0, batch_size: int = 4
+              ) -> ResumableIterableLoader:
+    return ResumableLoader(SequenceSource(_ids(LENGTHS)), batch_size=batch_size, shuffle=True,
+                           seed=7, last_batch="rollover", num_workers=workers, rank=rank,
+                           world_size=world)
+
+
+def _rollover_stream(epochs: int) -> list[int]:
+    """The samples of ``_rollover``'s first epochs' orders, end to end."""
+    epochs_read = run_epochs(_rollover(0, 1, batch_size=1), range(epochs), key=flat)
+    return [i for epoch in epochs_read for batch in epoch for i in batch]
+
+
+@pytest.mark.parametrize(("world", "workers"), [(3, 0), (1, 2)])
+@pytest.mark.parametrize("held", [False, True])
+def test_rollover_resumed_at_an_epoch_end_on_another_world_size_carries_its_leftovers(
+        world: int, workers: int, held: bool) -> None:
+    """The 4 samples 2 ranks (global batches of 8) carried over from epoch 0 open epoch 1 on
+    ``world`` ranks, and the stream goes on in that world size's global batches: the epochs
+    read the epochs' orders laid end to end, each sample once (the new layout's leftovers
+    were planned instead: 2 -> 3 and 2 -> 1 ranks lost 56-59). ``held``: the state a trainer
+    that fetched epoch 1's first batch but did not use it saves (batch 0 of epoch 1)."""
+    states, read = [], [[] for _ in range(3)]  # samples of epochs 0-2, all ranks
+    for rank in range(2):
+        loader = _rollover(rank, 2)
+        read[0] += samples(run_epochs(loader, [0], key=flat)[0])
+        if held:
+            set_epoch(loader, 1)
+            next(iter(loader))
+            states.append(loader.schedule.state_dict(held=1))
+        else:
+            states.append(loader.state_dict())
+        loader.close()
+    assert states[0] == states[1] and states[0]["batches"] == (0 if held else 7)
+
+    def resumed(rank: int = 0) -> ResumableIterableLoader:
+        loader = _rollover(rank, world, workers)
+        loader.load_state_dict(checkpoint_roundtrip(states[0]))
+        return loader
+
+    for rank in range(world):
+        loader = resumed(rank)
+        for epoch, batches in zip((1, 2), run_epochs(loader, [1, 2], key=flat), strict=True):
+            read[epoch] += samples(batches)
+        loader.close()
+    stream = _rollover_stream(3)
+    position = 0
+    for epoch in read:
+        assert sorted(epoch) == sorted(stream[position:position + len(epoch)])
+        position += len(epoch)
+    assert len(read[0]) == 56 and TOTAL + 4 - 4 * world < len(read[1]) <= TOTAL + 4
+    assert 3 * TOTAL - 4 * world < position <= 3 * TOTAL
+    if not held:  # the resumed run's states resume exactly on its layout (its cuts are saved;
+        # the check declares epochs from 0, the epoch a state at epoch 0's end began under)
+        check_resume_at_every_step(resumed, epochs=3, key=flat)
+
+
+def test_rollover_abandoned_on_2_ranks_begins_the_next_epoch_on_3_where_2_would() -> None:
+    """A state left for good in its epoch (a validation pass stopped early) begins the next
+    epoch where the saving run's would begin, after its epoch's leftovers, on any world size
+    (on 3 ranks it began at 3 ranks' own cut, past 4 samples of the stream)."""
+    states = []
+    for rank in range(2):
+        loader = _rollover(rank, 2)
+        set_epoch(loader, 0)
+        next(iter(loader))
+        states.append(abandoned(loader.state_dict()))
+        loader.close()
+    read = []
+    for rank in range(3):
+        loader = _rollover(rank, 3)
+        loader.load_state_dict(checkpoint_roundtrip(states[0]))
+        set_epoch(loader, 1)
+        read += [i for batch in loader for i in flat(batch)]
+        loader.close()
+    assert sorted(read) == sorted(_rollover_stream(2)[56:116])  # 2 ranks' epoch 0 ends at 56
+
+
+def test_a_corrupted_rollover_origin_is_refused_on_load() -> None:
+    loader = _rollover(0, 1)
+    run_epochs(loader, [0])
+    state = loader.state_dict()
+    state["parts"]["slots"]["origin"] = [1, 61]  # past the 60 samples before epoch 1
+    with pytest.raises(StateMismatchError, match=r"corrupted.*'origin'.*got \[1, 61\]"):
+        _rollover(0, 1).load_state_dict(state)
 
 
 def test_restored_cursor_wins_over_a_stale_set_epoch_and_yields_to_a_later_one() -> None:

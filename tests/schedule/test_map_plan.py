@@ -116,3 +116,19 @@ def test_rollover_epochs_tile_the_stream(n: int, g: int) -> None:
     for start, stop in spans:
         assert start % g == 0 and stop % g == 0
     assert all(abs((stop - start) - n) < g for start, stop in spans)
+
+
+@given(st.integers(1, 100), st.integers(1, 30), st.integers(1, 30), st.integers(0, 3))
+def test_rollover_epochs_cut_anew_from_an_origin_tile_the_rest_of_the_stream(
+        n: int, g: int, other: int, ended: int) -> None:
+    """A resume at the end of epoch ``ended`` under another global batch size cuts the stream
+    anew from where that epoch ended: its leftovers open the next epoch whole."""
+    origin = (ended + 1, rollover_span(ended, n, g)[1])
+    spans = [rollover_span(e, n, other, origin) for e in range(ended + 1, ended + 6)]
+    assert spans[0][0] == origin[1]
+    for (_, stop), (start, _) in zip(spans, spans[1:], strict=False):
+        assert stop == start
+    for epoch, (start, stop) in enumerate(spans, ended + 1):
+        assert (start - origin[1]) % other == 0 and (stop - origin[1]) % other == 0
+        assert (epoch + 1) * n - other < stop <= (epoch + 1) * n
+    assert rollover_span(3, n, g, (0, 0)) == rollover_span(3, n, g)
