@@ -331,7 +331,13 @@ class MapStyleLoader(ResumableLoader):
         """A ``Mix``'s order learns where delivery stands (``set_weights`` refuses past steps),
         again in a copied loader."""
         if isinstance(self.dataset, Mix):
-            self.dataset.order.follow(self.schedule.frontier)
+            self.dataset.order.follow(self._delivered_to)
+
+    def _delivered_to(self) -> tuple[int, int] | None:
+        """``(epoch, position)`` after the last batch delivered, past the frontier too
+        (``in_order=False``): a weight change before a batch delivered would not be what it was
+        trained on, nor what a resume reads (``MapSchedule.frontier``)."""
+        return self.schedule.frontier(self._window.last_ahead())
 
     def _refresh_order(self, contents: bool = True) -> None:
         """Between epochs, follow a dataset whose ``len()`` changed, and a sampler changed in

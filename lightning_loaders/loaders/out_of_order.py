@@ -118,6 +118,12 @@ class DeliveredWindow:
         delivered again (0 without a restored state)."""
         return 0 if self._restored is None else len(self._restored[2])
 
+    def last_ahead(self) -> int | None:
+        """The last batch delivered past the frontier (a restored state's until it applies;
+        ``None`` when none was): a ``Mix``'s weights may change only after it."""
+        restored = self._restored
+        return max(self.ahead if restored is None else restored[2], default=None)
+
     def pending(self) -> list[Any] | None:
         """The restored ``[frontier, runs]`` not yet applied, if any."""
         if self._restored is None:

@@ -284,14 +284,16 @@ class MixOrder:
         return self.schedule.weights(key)
 
     def follow(self, frontier: Callable[[], tuple[int, int] | None]) -> None:
-        """Learn where delivery stands from ``frontier`` (a loader's schedule's: ``(epoch,
-        first position not delivered)``), held weakly, so that ``set_weights`` refuses a step
-        whose samples were delivered already."""
+        """Learn where delivery stands from ``frontier`` (a loader's: ``(epoch, first
+        position after the last batch delivered)``), held weakly, so that ``set_weights``
+        refuses a step whose samples were delivered already."""
         self._frontier = weakref.WeakMethod(frontier)
 
     def next_step(self) -> int | None:
-        """The first global step with samples not delivered yet (``None``: unknown, before
-        the loader that plans this order starts, or without ``batch_size``)."""
+        """The first global step after every batch delivered (``None``: unknown, before the
+        loader that plans this order starts, or without ``batch_size``). With
+        ``in_order=False`` it is past the batches delivered ahead of the frontier: steps
+        before it still in flight keep the weights they were planned with."""
         reference = self._frontier
         frontier = reference() if reference is not None else None
         where = frontier() if frontier is not None else None
@@ -327,8 +329,9 @@ class MixOrder:
         first = self.next_step()
         if first is not None and step < first:
             raise ValueError(
-                f"set_weights from step {step}, but the samples of the steps before {first} "
-                f"were delivered already (batch_size={self.batch_size} samples per step): a "
+                f"set_weights from step {step}, but samples of step {first - 1} were "
+                f"delivered already (batch_size={self.batch_size} samples per step; with "
+                "in_order=False, a batch delivered ahead of earlier ones in flight counts): a "
                 "change there would not be what was trained on, nor what a resume reads. Give "
                 f"a step >= {first} (mix.next_step()); after a resume on another world size, "
                 "trainer.global_step counts other steps than the mixture's batch_size")

@@ -279,18 +279,23 @@ class MapSchedule(EpochOwner):
         """Count one batch handed to the caller."""
         self.batches += 1
 
-    def frontier(self) -> tuple[int, int] | None:
+    def frontier(self, last_ahead: int | None = None) -> tuple[int, int] | None:
         """``(epoch, position)``: the first position of the epoch not delivered yet, a restored
-        state's until it applies (``None`` before any epoch). Under ``"rollover"`` plans count
-        stream positions, so the epoch is the sample epoch that position falls in."""
+        state's until it applies (``None`` before any epoch); with ``last_ahead``, the last
+        batch delivered past the cursor out of order, the first position after it. Under
+        ``"rollover"`` plans count stream positions, so the epoch is the sample epoch that
+        position falls in."""
         state = self._pending
         if state is not None:
             plan = self.plan_for(state.epoch, state.world_size, state.offset_position)
-            epoch, position = state.epoch, plan.consumed(state.batches - state.offset_batches)
+            epoch, batches, offset = state.epoch, state.batches, state.offset_batches
         elif self.plan is None or self.epoch is None:
             return None
         else:
-            epoch, position = self.epoch, self.plan.consumed(self.batches - self._offset_batches)
+            plan, epoch, batches, offset = self.plan, self.epoch, self.batches, self._offset_batches
+        if last_ahead is not None:
+            batches = max(batches, last_ahead + 1)
+        position = plan.consumed(batches - offset)
         if self.last_batch == "rollover":
             sample_epoch, position = divmod(position, self.dataset_len)
             return sample_epoch, position

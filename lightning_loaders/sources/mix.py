@@ -82,15 +82,15 @@ class Mix(Dataset[Any]):
 
     def set_weights(self, weights: Any, step: int | None = None) -> None:
         """Use ``weights`` from global ``step`` on (see ``MixOrder.set_weights``); by default
-        from the first step not delivered yet (``next_step()``), the next batch: in a Lightning
-        callback, ``mix.set_weights(w)``."""
+        from the first step after every batch delivered (``next_step()``), the next batch: in
+        a Lightning callback, ``mix.set_weights(w)``."""
         if step is None:
             step = self.order.next_step() or 0
         self.order.set_weights(weights, step)
 
     def next_step(self) -> int | None:
-        """The first global step with samples not delivered yet (``None`` before the loader
-        starts)."""
+        """The first global step after every batch delivered (``None`` before the loader
+        starts); with ``in_order=False``, after the batches delivered ahead of others too."""
         return self.order.next_step()
 
     def weights_at(self, step: int) -> np.ndarray:

@@ -29,6 +29,7 @@ from lightning_loaders.testing import (
     checkpoint_roundtrip,
     run_epochs,
 )
+from tests.loaders.test_out_of_order import Gated
 from tests.mix_sources import SIZES, key, three_source_mix, write_sources
 from tests.orders.test_mix import counting, proportions_match
 
@@ -184,7 +185,7 @@ def test_a_weight_change_at_a_delivered_step_is_refused(last_batch: str) -> None
     first = [next(batches).tolist() for _ in range(4)]  # steps 0 and 1 (8 samples a step)
     mix = made.dataset
     assert mix.next_step() == 2
-    with pytest.raises(ValueError, match="steps before 2 were delivered already.*step >= 2"):
+    with pytest.raises(ValueError, match="samples of step 1 were delivered already.*step >= 2"):
         mix.set_weights([0, 1, 1], 1)
     mix.set_weights([0, 0, 1])
     rest = [batch.tolist() for batch in batches]
@@ -208,6 +209,52 @@ def test_after_an_elastic_resume_the_next_step_counts_the_mixtures_steps() -> No
     assert resumed.dataset.next_step() == 5
     with pytest.raises(ValueError, match="trainer.global_step counts other steps"):
         resumed.dataset.set_weights([0, 1, 1], 4)
+
+
+def test_out_of_order_a_change_starts_after_the_batches_delivered_ahead(tmp_path: Path
+                                                                       ) -> None:
+    """With ``in_order=False`` a batch held in flight lets later ones be delivered first; a
+    change from the frontier rewrote steps already trained on (reviewed: steps 3, 5 and 6 with
+    the frontier at 2, whose 9 source-2 samples of the new plan never came). ``next_step()`` is
+    the step after the last batch delivered, a change before it is refused, and the stream is
+    the plan the saved state describes, which it resumes exactly."""
+    gate = tmp_path / "gate"
+
+    def make(gated: frozenset[int] = frozenset(), **kwargs: Any) -> ResumableLoader:
+        sources = [Gated(100, str(gate), gated), list(range(1000, 1100)),
+                   list(range(2000, 2100))]  # 36 draws: no sample of source 0 twice
+        mix = Mix(sources, [0.6, 0.2, 0.2], samples_per_epoch=36, batch_size=3)
+        return ResumableLoader(mix, batch_size=3, seed=4, **kwargs)
+
+    plain = [batch.tolist() for batch in make()]
+    slow = frozenset(i for i in plain[2] if i < 1000)  # batch 2 waits for the gate
+    assert slow
+    made = make(slow, num_workers=2, in_order=False)
+    numbers = made.delivery_order()
+    assert numbers is not None
+    batches = iter(made)
+    got = [next(batches).tolist() for _ in range(5)]
+    delivered = list(numbers)
+    frontier, last = made.state_dict()["batches"], max(delivered)
+    assert frontier <= 2 < last and 2 not in delivered, delivered  # past the frontier
+    mix = made.dataset
+    assert mix.next_step() == last + 1  # one step per batch on one rank
+    with pytest.raises(ValueError, match=f"samples of step {last} were delivered already.*"
+                                         f"step >= {last + 1}"):
+        mix.set_weights([0, 0, 1], frontier)
+    mix.set_weights([0, 0, 1])
+    state = checkpoint_roundtrip(made.state_dict())
+    assert state["parts"]["order"]["changes"] == [[last + 1, [0.0, 0.0, 1.0]]]
+    gate.touch()
+    rest = [batch.tolist() for batch in batches]
+    changed = make()
+    changed.dataset.set_weights([0, 0, 1], last + 1)
+    plan = [batch.tolist() for batch in changed]
+    assert plan[:last + 1] == plain[:last + 1] and plan[last + 1:] != plain[last + 1:]
+    assert sorted(got + rest) == sorted(plan), "each batch of the saved plan once"
+    for resumed in (make(), make(num_workers=2, in_order=False)):
+        resumed.load_state_dict(state)
+        assert sorted(got + [batch.tolist() for batch in resumed]) == sorted(plan)
 
 
 def test_set_weights_mid_epoch_applies_from_the_next_batch_and_resumes(tmp_path: Path) -> None:
