@@ -4,10 +4,11 @@ Draws are with replacement: position ``p`` of epoch ``e`` is the inverse CDF, un
 current when it is planned, of a uniform hashed from ``(seed, e, p)``. A change made after a
 loader has delivered ``k`` batches of an epoch (for example in ``on_train_batch_end``, from the
 per-sample losses) applies from batch ``k`` on: the loader sees the sampler's ``version`` change
-and re-plans the batches it had prefetched. Every rank must hold the same weights, so
-``set_weights`` checks them across ranks and ``update_weights`` gathers every rank's updates
-(both are collective when a process group is initialised: call them on every rank at the same
-step).
+and re-plans the batches it had prefetched (with ``in_order=False``, every batch not delivered
+yet: one in flight behind batches delivered ahead of it too, as a resume from the state saved
+then re-plans it). Every rank must hold the same weights, so ``set_weights`` checks them
+across ranks and ``update_weights`` gathers every rank's updates (both are collective when a
+process group is initialised: call them on every rank at the same step).
 
 State: the current weights (float64, 8 bytes per sample) once they differ from the initial
 ones; a resume needs nothing else, because positions before the cursor are never re-planned.

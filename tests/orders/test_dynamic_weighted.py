@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 from lightning_loaders import ResumableLoader
 from lightning_loaders.loaders.convert import make_resumable
 from lightning_loaders.orders.dynamic_weighted import DynamicWeightedSampler
-from lightning_loaders.testing import check_resume_at_every_step, run_epochs
+from lightning_loaders.testing import check_resume_at_every_step, checkpoint_roundtrip, run_epochs
 from tests.conftest import IndexDataset
 from tests.lightning_harness import (
     RecordingModule,
@@ -42,6 +42,43 @@ def test_a_change_applies_from_the_next_batch_whatever_the_workers() -> None:
     assert len(runs[0]) == N // 4
     assert {i for b in runs[0][2:] for i in b} <= {N - 2, N - 1}
     assert len({i for b in runs[0][:2] for i in b}) > 2
+
+
+def test_out_of_order_a_change_applies_to_every_batch_not_delivered(tmp_path: Path) -> None:
+    """With ``in_order=False``, batches delivered past a batch in flight keep the old weights
+    and every batch not delivered (the one in flight too) is re-planned under the new ones,
+    live and from the state saved then: it holds the weights, not a step, so unlike a ``Mix``
+    change it cannot describe a step that was delivered already."""
+    from tests.loaders.test_out_of_order import Gated
+
+    gate = tmp_path / "gate"
+
+    def make(gated: frozenset[int] = frozenset(), sampler: DynamicWeightedSampler | None = None,
+             **kwargs) -> ResumableLoader:
+        return ResumableLoader(Gated(N, str(gate), gated), batch_size=3, seed=4,
+                               sampler=DynamicWeightedSampler(np.ones(N)) if sampler is None
+                               else sampler, **kwargs)
+
+    plain = [b.tolist() for b in make()]
+    drawn = [i for b in plain for i in b]
+    slow = next(i for i in plain[2] if drawn.count(i) == 1 and i < N - 4)  # drawn once
+    weights = DynamicWeightedSampler(np.ones(N))
+    made = make(frozenset({slow}), weights, num_workers=2, in_order=False)  # batch 2 waits
+    numbers = made.delivery_order()
+    assert numbers is not None
+    batches = iter(made)
+    got = [next(batches).tolist() for _ in range(5)]
+    delivered = list(numbers)
+    assert 2 not in delivered and max(delivered) > made.state_dict()["batches"], delivered
+    weights.update_weights(range(N - 4), np.zeros(N - 4))  # only 20..23 from now on
+    state = checkpoint_roundtrip(made.state_dict())
+    gate.touch()
+    rest = [b.tolist() for b in batches]
+    assert got == [plain[n] for n in delivered] and len(got + rest) == len(plain)
+    assert all(i >= N - 4 for b in rest for i in b) and plain[2] not in rest
+    for resumed in (make(), make(num_workers=2, in_order=False)):
+        resumed.load_state_dict(state)
+        assert sorted(b.tolist() for b in resumed) == sorted(rest)
 
 
 class Reweighting:
