@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from lightning_loaders import ResumableLoader
 from lightning_loaders.sources.mix import Mix
 
 SIZES = (12, 30, 20)
@@ -53,6 +54,19 @@ def write_sources(root: Path, sizes: tuple[int, ...] = SIZES) -> list[Any]:
 def three_source_mix(root: Path, weights: Any = SCHEDULE, batch_size: int | None = 4,
                      **kwargs: Any) -> Mix:
     return Mix(write_sources(root), weights, batch_size=batch_size, **kwargs)
+
+
+def gated_mix_loader(gate: Path, gated: frozenset[int] = frozenset(), *, step_size: int = 3,
+                     **kwargs: Any) -> ResumableLoader:
+    """12 steps of ``step_size`` samples drawn from three lists of 100 ids (``0..``,
+    ``1000..``, ``2000..``; weights 0.6, 0.2, 0.2: source 0 draws no id twice), read in batches
+    of 3 (``kwargs``: the loader's); source 0's ids in ``gated`` wait for the file ``gate``
+    (``Gated``), so that with ``in_order=False`` later batches are delivered before theirs."""
+    from tests.loaders.test_out_of_order import Gated
+
+    sources = [Gated(100, str(gate), gated), list(range(1000, 1100)), list(range(2000, 2100))]
+    mix = Mix(sources, [0.6, 0.2, 0.2], samples_per_epoch=12 * step_size, batch_size=step_size)
+    return ResumableLoader(mix, batch_size=3, seed=4, **kwargs)
 
 
 def key(batch: dict[str, Any]) -> list[int]:

@@ -146,12 +146,15 @@ class DynamicWeightedSampler(Sampler[int]):
             yield int(self.indices(epoch, np.array([position]))[0])
 
 
-def check_same_on_every_rank(weights: np.ndarray) -> None:
-    """Refuse weights that differ between ranks (collective under a process group)."""
-    digests = all_gather(digest(weights))
+def check_same_on_every_rank(weights: np.ndarray, also: Any = None) -> list[Any]:
+    """Refuse weights that differ between ranks (collective under a process group); returns
+    every rank's ``also`` (a caller's own values to compare), gathered in the same collective."""
+    gathered = all_gather((digest(weights), also))
+    digests = [weights_digest for weights_digest, _ in gathered]
     if len(set(digests)) > 1:
         raise ValueError(
             f"set_weights got different weights on different ranks (digests by rank: {digests}); "
             "every rank must draw from the same weights: all-reduce them first, or use "
             "update_weights(indices, values), which gathers every rank's updates"
         )
+    return [value for _, value in gathered]

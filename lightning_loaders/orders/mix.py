@@ -306,13 +306,16 @@ class MixOrder:
         """A copy follows no loader until the copied loader starts."""
         return {**self.__dict__, "_frontier": None}
 
-    def set_weights(self, weights: Weights, step: int) -> None:
+    def set_weights(self, weights: Weights, step: int | None = None) -> None:
         """Use ``weights`` from global ``step`` on, replacing the schedule from there.
 
-        Call it at the same step on every rank with the same weights (checked when a process
-        group is initialised), with ``step`` no earlier than the first step not delivered yet
-        (``next_step()``; in a Lightning callback, ``trainer.global_step`` while the mixture's
-        ``batch_size`` is the trainer's global batch) and no earlier than the last change.
+        Call it at the same step on every rank with the same weights, with ``step`` no earlier
+        than the first step after every batch delivered (``next_step()``; in a Lightning
+        callback, ``trainer.global_step`` while the mixture's ``batch_size`` is the trainer's
+        global batch) and no earlier than the last change; ``None``: that first step. Under a
+        process group the ranks compare their weights, steps and ``next_step()`` (one
+        collective): out of order, ranks deliver different steps, so the first step is the
+        latest rank's, and a step one rank delivered is refused on every rank.
         """
         if self.mode == "stop":
             raise ValueError("mode='stop' needs constant weights (see MixOrder); use "
@@ -320,23 +323,35 @@ class MixOrder:
         if self.batch_size is None:
             raise ValueError("set_weights needs the mixture's batch_size= (samples per global "
                              "step) to place the change at a step")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool)
+                                 or step < 0):
             raise ValueError(f"step must be an int >= 0 (the global step the weights apply "
                              f"from), got {step!r}")
+        new = _checked(weights, self.lengths.size, "set_weights")
+        ranks = check_same_on_every_rank(new, (step, self.next_step()))
+        asked = [asked_step for asked_step, _ in ranks]
+        if len(set(asked)) > 1:
+            raise ValueError(f"set_weights got different steps on different ranks (by rank: "
+                             f"{asked}): call it at the same step on every rank, or with no "
+                             "step on every rank (the first step after every rank's batches "
+                             "delivered)")
+        firsts = [first for _, first in ranks if first is not None]
+        first = max(firsts, default=None)
+        if step is None:
+            step = 0 if first is None else first
         if self._overrides and step < self._overrides[-1][0]:
             raise ValueError(f"set_weights at step {step} is earlier than the last change (step "
                              f"{self._overrides[-1][0]}): weight changes must be in step order")
-        first = self.next_step()
         if first is not None and step < first:
+            by_rank = f", next_step() by rank: {[f for _, f in ranks]}" if len(ranks) > 1 else ""
             raise ValueError(
                 f"set_weights from step {step}, but samples of step {first - 1} were "
-                f"delivered already (batch_size={self.batch_size} samples per step; with "
-                "in_order=False, a batch delivered ahead of earlier ones in flight counts): a "
-                "change there would not be what was trained on, nor what a resume reads. Give "
-                f"a step >= {first} (mix.next_step()); after a resume on another world size, "
-                "trainer.global_step counts other steps than the mixture's batch_size")
-        new = _checked(weights, self.lengths.size, "set_weights")
-        check_same_on_every_rank(new)
+                f"delivered already (batch_size={self.batch_size} samples per step{by_rank}; "
+                "with in_order=False, a batch delivered ahead of earlier ones in flight "
+                "counts): a change there would not be what was trained on, nor what a resume "
+                f"reads. Give a step >= {first} (mix.next_step()); after a resume on another "
+                "world size, trainer.global_step counts other steps than the mixture's "
+                "batch_size")
         overrides = [o for o in self._overrides if o[0] < step]
         self._use(overrides + [(step, new)], step)
 

@@ -82,15 +82,15 @@ class Mix(Dataset[Any]):
 
     def set_weights(self, weights: Any, step: int | None = None) -> None:
         """Use ``weights`` from global ``step`` on (see ``MixOrder.set_weights``); by default
-        from the first step after every batch delivered (``next_step()``), the next batch: in
-        a Lightning callback, ``mix.set_weights(w)``."""
-        if step is None:
-            step = self.order.next_step() or 0
+        from the first step after every batch delivered (``next_step()``, the latest rank's
+        under a process group), the next batch: in a Lightning callback,
+        ``mix.set_weights(w)``."""
         self.order.set_weights(weights, step)
 
     def next_step(self) -> int | None:
-        """The first global step after every batch delivered (``None`` before the loader
-        starts); with ``in_order=False``, after the batches delivered ahead of others too."""
+        """The first global step after every batch this rank delivered (``None`` before the
+        loader starts); with ``in_order=False``, after the batches delivered ahead of others
+        too."""
         return self.order.next_step()
 
     def weights_at(self, step: int) -> np.ndarray:

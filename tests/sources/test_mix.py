@@ -29,8 +29,7 @@ from lightning_loaders.testing import (
     checkpoint_roundtrip,
     run_epochs,
 )
-from tests.loaders.test_out_of_order import Gated
-from tests.mix_sources import SIZES, key, three_source_mix, write_sources
+from tests.mix_sources import SIZES, gated_mix_loader, key, three_source_mix, write_sources
 from tests.orders.test_mix import counting, proportions_match
 
 pytest.importorskip("datasets")
@@ -219,17 +218,10 @@ def test_out_of_order_a_change_starts_after_the_batches_delivered_ahead(tmp_path
     the step after the last batch delivered, a change before it is refused, and the stream is
     the plan the saved state describes, which it resumes exactly."""
     gate = tmp_path / "gate"
-
-    def make(gated: frozenset[int] = frozenset(), **kwargs: Any) -> ResumableLoader:
-        sources = [Gated(100, str(gate), gated), list(range(1000, 1100)),
-                   list(range(2000, 2100))]  # 36 draws: no sample of source 0 twice
-        mix = Mix(sources, [0.6, 0.2, 0.2], samples_per_epoch=36, batch_size=3)
-        return ResumableLoader(mix, batch_size=3, seed=4, **kwargs)
-
-    plain = [batch.tolist() for batch in make()]
+    plain = [batch.tolist() for batch in gated_mix_loader(gate)]
     slow = frozenset(i for i in plain[2] if i < 1000)  # batch 2 waits for the gate
     assert slow
-    made = make(slow, num_workers=2, in_order=False)
+    made = gated_mix_loader(gate, slow, num_workers=2, in_order=False)
     numbers = made.delivery_order()
     assert numbers is not None
     batches = iter(made)
@@ -247,14 +239,47 @@ def test_out_of_order_a_change_starts_after_the_batches_delivered_ahead(tmp_path
     assert state["parts"]["order"]["changes"] == [[last + 1, [0.0, 0.0, 1.0]]]
     gate.touch()
     rest = [batch.tolist() for batch in batches]
-    changed = make()
+    changed = gated_mix_loader(gate)
     changed.dataset.set_weights([0, 0, 1], last + 1)
     plan = [batch.tolist() for batch in changed]
     assert plan[:last + 1] == plain[:last + 1] and plan[last + 1:] != plain[last + 1:]
     assert sorted(got + rest) == sorted(plan), "each batch of the saved plan once"
-    for resumed in (make(), make(num_workers=2, in_order=False)):
+    for resumed in (gated_mix_loader(gate), gated_mix_loader(gate, num_workers=2,
+                                                             in_order=False)):
         resumed.load_state_dict(state)
         assert sorted(got + [batch.tolist() for batch in resumed]) == sorted(plan)
+
+
+def test_ddp_out_of_order_ranks_agree_on_the_step_of_a_change(tmp_path: Path) -> None:
+    """Out of order, 2 gloo ranks have delivered different steps (rank 0 past its batch 2 in
+    flight): each rank's default step was its own ``next_step()``, so the ranks changed the
+    weights at different steps and a state (rank 0's) described rank 1's stream wrongly, and a
+    step one rank had delivered was refused there alone while the other went on into the
+    weights' comparison (whose collectives then paired with the wrong calls). Now the ranks
+    compare their steps with their weights: a change starts after every rank's last batch
+    delivered, or is refused on every rank; each rank's stream is the plan the state
+    describes, and the state resumes each rank exactly."""
+    from tests.ddp_harness import REPO, run_ddp
+
+    gate = tmp_path / "gate"
+    ranks = run_ddp(REPO / "tests" / "scripts" / "mix_out_of_order_ddp.py", [str(gate)],
+                    tmp_path / "results", timeout=180)
+    steps = [r["next_step"] for r in ranks]
+    assert steps[0] > steps[1] == 5, steps  # rank 0 delivered past its batch 2 in flight
+    for r in ranks:
+        assert (f"samples of step {steps[0] - 1} were delivered already (batch_size=6 samples "
+                f"per step, next_step() by rank: {steps}") in r["explicit"]
+        assert "different steps on different ranks (by rank: [20, 21])" in r["differing"]
+        assert r["state"]["parts"]["order"]["changes"] == [[steps[0], [0.0, 0.0, 1.0]]]
+    state = ranks[0]["state"]  # the one a checkpoint keeps
+    for rank, r in enumerate(ranks):
+        changed = gated_mix_loader(gate, step_size=6, rank=rank, world_size=2)
+        changed.dataset.set_weights([0, 0, 1], steps[0])
+        plan = [batch.tolist() for batch in changed]
+        assert sorted(r["got"] + r["rest"]) == sorted(plan), rank
+        resumed = gated_mix_loader(gate, step_size=6, rank=rank, world_size=2)
+        resumed.load_state_dict(state)
+        assert sorted(r["got"] + [batch.tolist() for batch in resumed]) == sorted(plan), rank
 
 
 def test_set_weights_mid_epoch_applies_from_the_next_batch_and_resumes(tmp_path: Path) -> None:
