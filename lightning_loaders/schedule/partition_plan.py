@@ -116,7 +116,8 @@ def deal(config: PlanConfig, epoch: int, partitions: int, world_size: int,
         sizes = split(samples, world_size, size)
     elif size >= 2 and rounds:  # the last full round gives up a sample per rank, as map plans
         tail = [ranks[r].pop()[0] for r in range(world_size)] + tail
-        sizes = split(samples + world_size * (size - 1), world_size, size) + (1,) * world_size
+        samples = sum(segment[2] for segment in tail)  # item ``first`` may be among them, short
+        sizes = split(samples - world_size, world_size, size) + (1,) * world_size
     elif config.merge_short_tail and rounds:
         for r, segment in enumerate(_cut(tail, (1,) * samples)):
             ranks[r][-1] += segment

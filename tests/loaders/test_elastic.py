@@ -158,6 +158,20 @@ def test_a_cursor_after_a_borrowing_round_resumes_on_any_layout(source_factory) 
         epoch(4, states[0])
 
 
+def test_a_cursor_inside_an_item_resumes_where_the_rest_borrows_from_its_first_round(
+        source_factory) -> None:
+    """68 samples in batches of 3 on 10 ranks: 22 full items and one of 2, the last full
+    round cut anew with the 8 samples after it, so 2 batches read 58 samples and the cursor
+    stands 1 sample into item 19. On 3 ranks the 10 samples left (items 19-22) end in a
+    round of 2, which borrows from the round before, holding item 19's 2 samples left: they
+    were counted as a full item's 3, and the deal raised IndexError. Now the epoch is
+    exactly once (batches of 3 and 1, 3 and 1, 1 and 1), and so is the next one."""
+    states, seen = _states_after(source_factory, 10, 0, 0, 2, partitions=6)
+    rest, following = _rest(source_factory, states[0], 3, 0, epochs=2, partitions=6)
+    assert sorted(seen + rest) == list(range(TOTAL))
+    assert sorted(following) == list(range(TOTAL))
+
+
 def test_a_resumed_resume_under_a_third_layout_is_exact(source_factory) -> None:
     states, seen = _states_after(source_factory, 2, 2, epoch=0, steps=2)
     middle = []
