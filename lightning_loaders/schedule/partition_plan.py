@@ -26,6 +26,7 @@ into its item, whose rest is dealt as a short item.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from lightning_loaders.schedule.map_plan import keep_fix
@@ -123,12 +124,8 @@ def deal(config: PlanConfig, epoch: int, partitions: int, world_size: int,
             ranks[r][-1] += segment
         return tuple(tuple(batches) for batches in ranks)
     else:
-        fix = (f"resume on at most {samples} ranks, or from a checkpoint at an epoch's end"
-               if first else f"use last_batch='pad' or 'drop', {keep_fix(size)}or "
-               "evaluation=True")
-        raise ValueError(
-            f"last_batch='keep' cannot give each of {world_size} ranks a non-empty last batch "
-            f"from the {samples} samples left with batch_size={size}; {fix}")
+        raise ValueError(_keep_refusal(plan, world_size, first, skip, rounds, samples,
+                                       config.merge_short_tail))
     for r, batch in enumerate(_cut(tail, sizes)):
         ranks[r % world_size].append(batch)
     return tuple(tuple(batches) for batches in ranks)
@@ -144,6 +141,40 @@ def advanced(config: PlanConfig, epoch: int, partitions: int, first: int, skip: 
         skip -= plan.item(first)[2]
         first += 1
     return first, skip if first < plan.items else 0
+
+
+def _keep_refusal(plan: Partitions, world_size: int, first: int, skip: int, rounds: int,
+                  tail: int, merged: bool) -> str:
+    """Why ``"keep"`` cannot deal the samples from item ``first`` on (``skip`` into it) to
+    ``world_size`` ranks: ``rounds`` full rounds leave ``tail`` samples, fewer than the ranks,
+    with none to borrow (batches of 1, or no full round). At a resume it names the world
+    sizes that can deal both these samples and a whole epoch (the next one)."""
+    size, total = plan.batch_size, sum(plan.lengths)
+    left = total - first * size - skip  # every item before ``first`` is a full one
+    what = (f"the {_count(left, 'sample')} left" if first else
+            f"the epoch's {_count(total, 'sample')}")
+    if rounds:
+        what += f" ({_count(rounds, 'full round')} of {world_size} batches leave {tail})"
+    what += f" with batch_size={size}"
+    if not first:
+        fix = f"use last_batch='pad' or 'drop', {keep_fix(size)}or evaluation=True"
+    elif size == 1 and not merged:  # one sample per batch: a world size must divide both
+        common = math.gcd(left, total)
+        sizes = sorted({d for n in range(1, math.isqrt(common) + 1) if not common % n
+                        for d in (n, common // n)})
+        listed = " or ".join(filter(None, [", ".join(map(str, sizes[:-1])), str(sizes[-1])]))
+        fix = (f"resume on a world size dividing both the {_count(left, 'sample')} left and "
+               f"the epoch's {total} ({listed} rank{'s' * (len(sizes) > 1)}), or from a "
+               "checkpoint at an epoch's end")
+    else:  # batches of 2 borrow from a full round, evaluation merges: any number up to ``left``
+        fix = f"resume on at most {_count(left, 'rank')}, or from a checkpoint at an epoch's end"
+    return (f"last_batch='keep' cannot give each of {world_size} ranks a non-empty last batch "
+            f"from {what}; {fix}")
+
+
+def _count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1."""
+    return f"{n} {noun}{'s' * (n != 1)}"
 
 
 def _padding(plan: Partitions, count: int) -> list[Segment]:

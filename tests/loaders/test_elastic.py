@@ -2,6 +2,7 @@
 layout (ranks x workers) with nothing repeated and nothing lost."""
 
 import json
+import re
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -18,8 +19,8 @@ from lightning_loaders import ExactResume, ResumableDataModule, ResumableLoader
 from lightning_loaders.schedule.partition_plan import deal, partition_epoch
 from lightning_loaders.schedule.shard_plan import PlanConfig
 from lightning_loaders.sources.parquet import ParquetSource
-from lightning_loaders.sources.shards import RecordFiles, write_records
-from lightning_loaders.testing import run_epochs, set_epoch
+from lightning_loaders.sources.shards import RecordFiles, SequenceSource, write_records
+from lightning_loaders.testing import checkpoint_roundtrip, run_epochs, set_epoch
 from tests.conftest import IndexDataset
 
 LENGTHS = [9, 23, 4, 0, 15, 11, 6]  # uneven, one empty shard
@@ -170,6 +171,39 @@ def test_a_cursor_inside_an_item_resumes_where_the_rest_borrows_from_its_first_r
     rest, following = _rest(source_factory, states[0], 3, 0, epochs=2, partitions=6)
     assert sorted(seen + rest) == list(range(TOTAL))
     assert sorted(following) == list(range(TOTAL))
+
+
+@pytest.mark.parametrize("batch_size", [1, None])
+def test_a_refused_resume_of_one_sample_batches_names_the_samples_left_and_sizes_that_work(
+        batch_size: int | None) -> None:
+    """18 samples, one per batch, one batch read on each of 2 ranks: 16 left, which 3 ranks
+    cannot share evenly. The refusal said 'from the 1 samples left' and 'resume on at most 1
+    ranks', though 2 ranks resume; it names the 16 left and 1 or 2 ranks (4 divide the 16,
+    not a next epoch's 18), and each of those resumes exactly once."""
+    def make(rank: int, world: int) -> ResumableLoader:
+        return ResumableLoader(SequenceSource([list(range(7)), list(range(7, 18))]),
+                               batch_size=batch_size, shuffle=True, seed=1, rank=rank,
+                               world_size=world)
+
+    seen, states = [], []
+    for rank in range(2):
+        loader = make(rank, 2)
+        seen.append(int(next(iter(loader))))
+        states.append(checkpoint_roundtrip(loader.state_dict()))
+    for world in (1, 2):
+        rest = []
+        for rank in range(world):
+            resumed = make(rank, world)
+            resumed.load_state_dict(states[0])
+            rest += [int(batch) for batch in resumed]
+        assert sorted(seen + rest) == list(range(18)), world
+    with pytest.raises(ValueError, match=re.escape(
+            "from the 16 samples left (5 full rounds of 3 batches leave 1) with batch_size=1; "
+            "resume on a world size dividing both the 16 samples left and the epoch's 18 (1 "
+            "or 2 ranks), or from a checkpoint at an epoch's end")):
+        refused = make(0, 3)
+        refused.load_state_dict(states[0])
+        next(iter(refused))
 
 
 def test_a_resumed_resume_under_a_third_layout_is_exact(source_factory) -> None:

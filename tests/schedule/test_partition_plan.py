@@ -1,11 +1,14 @@
-"""Canonical partitions: where the shards declared empty are read (to check they are)."""
+"""Canonical partitions: where the shards declared empty are read (to check they are), and
+what a refused deal of the epoch's rest says."""
 
+import re
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_loaders.schedule.partition_plan import partition_epoch
+from lightning_loaders.schedule.partition_plan import advanced, deal, partition_epoch
 from lightning_loaders.schedule.shard_plan import PlanConfig
 
 
@@ -26,3 +29,59 @@ def test_each_shard_declared_empty_is_an_empty_piece_of_one_partition_read(
                     if length for piece in pieces if piece.start == piece.stop)
     assert empty == {shard: 1 for shard, n in enumerate(lengths) if n == 0}
     assert [sum(map(len, pieces)) for pieces in plan.pieces] == list(plan.lengths)
+
+
+def _deals(config: PlanConfig, partitions: int, world: int, first: int = 0, skip: int = 0
+           ) -> bool:
+    try:
+        deal(config, 0, partitions, world, first, skip)
+    except ValueError:
+        return False
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=6).filter(any), st.integers(1, 4),
+       st.integers(1, 3), st.booleans(), st.integers(1, 4), st.integers(1, 8),
+       st.integers(1, 12))
+def test_a_refused_resume_names_the_samples_left_and_exactly_the_world_sizes_that_deal_them(
+        lengths, partitions, size, merged, saved, steps, world) -> None:
+    """An elastic resume that ``"keep"`` cannot deal names the samples left (not the few
+    that its last round would hold) and the world sizes that deal both them and the next
+    epoch: 18 samples in batches of 1, 2 read on 2 ranks, left 16 that 3 ranks could not
+    deal and 2 could, where the message said 'the 1 samples left' and 'at most 1 ranks'."""
+    config = PlanConfig(tuple(lengths), len(lengths), False, size, "keep", True, 1,
+                        merge_short_tail=merged)
+    if not _deals(config, partitions, saved):
+        return
+    dealt = deal(config, 0, partitions, saved)
+    read = sum(s[2] for batches in dealt for batch in batches[:steps] for s in batch)
+    first, skip = advanced(config, 0, partitions, 0, 0, read)
+    left = sum(lengths) - read
+    if not first or _deals(config, partitions, world, first, skip):
+        return
+    with pytest.raises(ValueError) as refused:
+        deal(config, 0, partitions, world, first, skip)
+    message = str(refused.value)
+    assert re.search(rf"from the {left} samples? left( \(.*\))? with batch_size={size};",
+                     message), message
+    named = re.search(r"resume on (at most (\d+) ranks?|a world size dividing .*\(([\d, or]+) "
+                      r"ranks?\)), or from a checkpoint at an epoch's end$", message)
+    assert named, message
+    sizes = (set(range(1, int(named[2]) + 1)) if named[2] else
+             {int(n) for n in re.findall(r"\d+", named[3])})
+    works = {n for n in range(1, left + 3)
+             if _deals(config, partitions, n, first, skip) and _deals(config, partitions, n)}
+    assert sizes == works, message
+    assert not re.search(r"\b1 (ranks|samples)\b", message), message
+
+
+def test_eighteen_samples_in_batches_of_one_read_two_then_refused_on_three_ranks() -> None:
+    """The reviewer's case: 16 of 18 samples left, 3 ranks refused, 1 or 2 named."""
+    config = PlanConfig((7, 11), 2, False, 1, "keep", True, 1)
+    first, skip = advanced(config, 0, 2, 0, 0, 2)
+    with pytest.raises(ValueError, match=re.escape(
+            "from the 16 samples left (5 full rounds of 3 batches leave 1) with batch_size=1; "
+            "resume on a world size dividing both the 16 samples left and the epoch's 18 (1 "
+            "or 2 ranks), or from a checkpoint at an epoch's end")):
+        deal(config, 0, 2, 3, first, skip)
