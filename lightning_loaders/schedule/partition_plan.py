@@ -147,8 +147,8 @@ def _keep_refusal(plan: Partitions, world_size: int, first: int, skip: int, roun
                   tail: int, merged: bool) -> str:
     """Why ``"keep"`` cannot deal the samples from item ``first`` on (``skip`` into it) to
     ``world_size`` ranks: ``rounds`` full rounds leave ``tail`` samples, fewer than the ranks,
-    with none to borrow (batches of 1, or no full round). At a resume it names the world
-    sizes that can deal both these samples and a whole epoch (the next one)."""
+    with none to borrow (batches of 1, or no full round). It names the world sizes that can
+    deal both these samples and a whole epoch (at a resume, the next one)."""
     size, total = plan.batch_size, sum(plan.lengths)
     left = total - first * size - skip  # every item before ``first`` is a full one
     what = (f"the {_count(left, 'sample')} left" if first else
@@ -156,18 +156,22 @@ def _keep_refusal(plan: Partitions, world_size: int, first: int, skip: int, roun
     if rounds:
         what += f" ({_count(rounds, 'full round')} of {world_size} batches leave {tail})"
     what += f" with batch_size={size}"
-    if not first:
-        fix = f"use last_batch='pad' or 'drop', {keep_fix(size)}or evaluation=True"
-    elif size == 1 and not merged:  # one sample per batch: a world size must divide both
+    if size == 1 and not merged:  # one sample per batch: a world size must divide both
         common = math.gcd(left, total)
         sizes = sorted({d for n in range(1, math.isqrt(common) + 1) if not common % n
                         for d in (n, common // n)})
         listed = " or ".join(filter(None, [", ".join(map(str, sizes[:-1])), str(sizes[-1])]))
-        fix = (f"resume on a world size dividing both the {_count(left, 'sample')} left and "
-               f"the epoch's {total} ({listed} rank{'s' * (len(sizes) > 1)}), or from a "
-               "checkpoint at an epoch's end")
+        both = f"both the {_count(left, 'sample')} left and " if first else ""
+        ranks = (f"a world size dividing {both}the epoch's {total} ({listed} "
+                 f"rank{'s' * (len(sizes) > 1)})")
     else:  # batches of 2 borrow from a full round, evaluation merges: any number up to ``left``
-        fix = f"resume on at most {_count(left, 'rank')}, or from a checkpoint at an epoch's end"
+        ranks = f"at most {_count(left, 'rank')}"
+    if first:
+        fix = f"resume on {ranks}, or from a checkpoint at an epoch's end"
+    elif rounds:  # batches of 1 after full rounds
+        fix = f"use last_batch='pad' or 'drop', {keep_fix(size)}evaluation=True, or {ranks}"
+    else:  # fewer samples than ranks: no batch size, merge or 'drop' helps
+        fix = f"use last_batch='pad', or {ranks}"
     return (f"last_batch='keep' cannot give each of {world_size} ranks a non-empty last batch "
             f"from {what}; {fix}")
 

@@ -85,3 +85,38 @@ def test_eighteen_samples_in_batches_of_one_read_two_then_refused_on_three_ranks
             "resume on a world size dividing both the 16 samples left and the epoch's 18 (1 "
             "or 2 ranks), or from a checkpoint at an epoch's end")):
         deal(config, 0, 2, 3, first, skip)
+
+
+@pytest.mark.parametrize(("size", "merged", "ranks"), [
+    (1, False, "a world size dividing the epoch's 3 (1 or 3 ranks)"),
+    (1, True, "at most 3 ranks"), (2, False, "at most 3 ranks"), (2, True, "at most 3 ranks")])
+def test_an_epoch_with_fewer_samples_than_ranks_is_refused_with_fixes_that_work(
+        size: int, merged: bool, ranks: str) -> None:
+    """3 samples on 4 ranks: the refusal suggested 'drop' (which keeps no batch), a
+    batch_size >= 2 (or one leaving a sample per rank) and evaluation=True (refused with the
+    same advice), none of which deals them; it names 'pad' and the world sizes that do."""
+    config = PlanConfig((3,), 1, False, size, "keep", True, 1, merge_short_tail=merged)
+    with pytest.raises(ValueError, match=re.escape(
+            f"from the epoch's 3 samples with batch_size={size}; use last_batch='pad', or "
+            f"{ranks}") + "$") as refused:
+        deal(config, 0, 1, 4)
+    assert not re.search("drop|evaluation|batch_size (>=|that)", str(refused.value))
+    for other in (PlanConfig((3,), 1, False, size, "drop", True, 1),
+                  PlanConfig((3,), 1, False, 2, "keep", True, 1),
+                  PlanConfig((3,), 1, False, size, "keep", True, 1, merge_short_tail=True)):
+        assert not _deals(other, 1, 4)
+    assert _deals(PlanConfig((3,), 1, False, size, "pad", True, 1), 1, 4)
+    named = {1, 3} if ranks.endswith("(1 or 3 ranks)") else {1, 2, 3}
+    assert {world for world in range(1, 5) if _deals(config, 1, world)} == named
+
+
+def test_an_epoch_of_one_sample_batches_is_refused_with_the_world_sizes_that_deal_it() -> None:
+    """18 samples in batches of 1 on 4 ranks: 4 full rounds leave 2, fewer than the ranks;
+    the refusal names the world sizes dividing 18 beside the other fixes, and each deals."""
+    config = PlanConfig((7, 11), 2, False, 1, "keep", True, 1)
+    with pytest.raises(ValueError, match=re.escape(
+            "from the epoch's 18 samples (4 full rounds of 4 batches leave 2) with "
+            "batch_size=1; use last_batch='pad' or 'drop', a batch_size >= 2, evaluation=True, "
+            "or a world size dividing the epoch's 18 (1, 2, 3, 6, 9 or 18 ranks)") + "$"):
+        deal(config, 0, 2, 4)
+    assert {world for world in range(1, 20) if _deals(config, 2, world)} == {1, 2, 3, 6, 9, 18}
