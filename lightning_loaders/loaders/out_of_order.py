@@ -22,6 +22,7 @@ checkpoint keeps resumes every rank.
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol, TypeVar
@@ -154,18 +155,20 @@ def rank_entry(part: Any, rank: int, world_size: int, batches: int, end: int) ->
         raise StateMismatchError(f"corrupted loader state: parts[{WINDOW!r}]={part!r} is not "
                                  "{'ranks': [...]}")
     ranks = part["ranks"]
+    if len(ranks) != world_size and any(entry is None for entry in ranks):
+        raise StateMismatchError(
+            f"an out-of-order state saved on {len(ranks)} ranks without a process group "
+            f"holds only some ranks' entries, so it cannot resume on {world_size}: save "
+            "with every rank calling state_dict() together (as Lightning does), or resume "
+            f"on {len(ranks)} ranks, each from its own state")
+    if not any(isinstance(e, list | tuple) and e and _is_batch(e[0]) and e[0] == batches
+               for e in ranks):
+        raise StateMismatchError(
+            f"corrupted loader state: the cursor says batches={batches}, but no rank's "
+            f"entry in parts[{WINDOW!r}] has that frontier (the saving rank's must): {ranks!r}")
     if len(ranks) != world_size:
-        if any(entry is None for entry in ranks):
-            raise StateMismatchError(
-                f"an out-of-order state saved on {len(ranks)} ranks without a process group "
-                f"holds only some ranks' entries, so it cannot resume on {world_size}: save "
-                "with every rank calling state_dict() together (as Lightning does), or resume "
-                f"on {len(ranks)} ranks, each from its own state")
         if any(entry[1] or entry[0] != batches for entry in ranks):
-            raise StateMismatchError(
-                f"an out-of-order state saved on {len(ranks)} ranks cannot resume on "
-                f"{world_size}: its ranks had delivered different batches; resume on "
-                f"{len(ranks)} ranks, or at an epoch end")
+            raise StateMismatchError(_elastic_refusal(ranks, world_size, batches))
         return [batches, []]
     entry = ranks[rank]
     if entry is None:
@@ -173,11 +176,6 @@ def rank_entry(part: Any, rank: int, world_size: int, batches: int, end: int) ->
             f"the out-of-order state holds no entry for rank {rank}: it was saved without a "
             "process group, on another rank; save with every rank calling state_dict() "
             "together (as Lightning does), or load each rank's own state")
-    if not any(isinstance(e, list | tuple) and e and _is_batch(e[0]) and e[0] == batches
-               for e in ranks):
-        raise StateMismatchError(
-            f"corrupted loader state: the cursor says batches={batches}, but no rank's "
-            f"entry in parts[{WINDOW!r}] has that frontier (the saving rank's must): {ranks!r}")
     ahead = None
     if (isinstance(entry, list | tuple) and len(entry) == 2 and _is_batch(entry[0])
             and 0 <= entry[0] <= end and isinstance(entry[1], list | tuple)):
@@ -187,6 +185,35 @@ def rank_entry(part: Any, rank: int, world_size: int, batches: int, end: int) ->
                                  f"of rank {rank} is not [frontier, [[start, stop) runs of "
                                  f"batches past it, before {end}]]")
     return [entry[0], ahead]
+
+
+def _elastic_refusal(ranks: list[Any], world_size: int, batches: int) -> str:
+    """Why a state saved on ``len(ranks)`` ranks, some with batches delivered past the
+    cursor's frontier ``batches``, cannot resume on ``world_size``: another world size deals
+    the rest of the epoch anew from the frontier, and would deliver those batches again."""
+    ahead = []
+    for r, entry in enumerate(ranks):
+        numbers = _batches_of(entry[1], entry[0], sys.maxsize) if _is_batch(entry[0]) else None
+        if numbers is None:
+            raise StateMismatchError(f"corrupted loader state: parts[{WINDOW!r}] entry {entry!r}"
+                                     f" of rank {r} is not [frontier, [[start, stop) runs of "
+                                     "batches past it]]")
+        listed = ", ".join(str(start) if stop == start + 1 else f"{start}-{stop - 1}"
+                           for start, stop in _runs(numbers))
+        ahead.append(f"batch{'es' * (len(numbers) > 1)} {listed}" if numbers else "none")
+    saved = f"{len(ranks)} rank{'s' * (len(ranks) > 1)}"
+    if all(entry == ranks[0] for entry in ranks):  # the saving rank's frontier is the cursor
+        where = "" if len(ranks) == 1 else "on every rank, "
+        why = (f"{where}{ahead[0]} had been delivered ahead of the frontier, batch {batches} "
+               "(out of order)")
+    else:
+        held = "; ".join(f"rank {r}: frontier {entry[0]}, ahead {shown}"
+                         for r, (entry, shown) in enumerate(zip(ranks, ahead, strict=True)))
+        why = f"its ranks had delivered different batches ({held})"
+    return (f"an out-of-order state saved on {saved} cannot resume on {world_size}: {why}; "
+            "another world size deals the rest of the epoch anew from the frontier, and would "
+            f"deliver again what was delivered past it. Resume on {saved}, or from a state with "
+            "no batch delivered ahead of its frontier (as at an epoch end)")
 
 
 def _runs(batches: Iterable[int]) -> list[list[int]]:

@@ -7,6 +7,7 @@ speed. Two workers with ``prefetch_factor=2`` hold at most 4 batches in flight, 
 opens after 2 batches (the blocked worker holds the gated batch and at most one behind it)."""
 
 import os
+import re
 import signal
 import threading
 import time
@@ -204,6 +205,51 @@ def test_a_window_with_batches_ahead_refuses_another_world_size(tmp_path: Path) 
         with pytest.raises(StateMismatchError, match=f"batches={moved['batches']}, but no "
                                                      "rank's entry"):
             _make(gate).load_state_dict(edited)
+
+
+def test_a_refused_world_size_names_the_batches_delivered_ahead_or_each_ranks_window(
+        tmp_path: Path) -> None:
+    """Saved on 1 rank with batches ahead of the frontier, resumed on 2 or 3: the refusal
+    said 'its ranks had delivered different batches; resume on 1 ranks'. It names the
+    batches ahead and the frontier; 'different batches' is kept for ranks whose windows
+    differ (each shown), and ranks alike are said to be ahead on every rank."""
+    gate = tmp_path / "gate"
+    states: list = []
+    _run(_make(gate), gate, states)
+    ahead = next(s for s in states if s["parts"]["window"]["ranks"][0][1])
+    listed = ", ".join(str(start) if stop == start + 1 else f"{start}-{stop - 1}"
+                       for start, stop in ahead["parts"]["window"]["ranks"][0][1])
+    for world in (2, 3):
+        with pytest.raises(StateMismatchError) as refused:
+            _make(gate, rank=0, world=world).load_state_dict(ahead)
+        message = str(refused.value)
+        assert message.startswith(
+            f"an out-of-order state saved on 1 rank cannot resume on {world}: "
+            f"batch{'es' * (len(_ahead(ahead)) > 1)} {listed} had been delivered ahead of the "
+            f"frontier, batch {ahead['batches']} (out of order); another world size deals the "
+            "rest of the epoch anew from the frontier"), message
+        assert message.endswith("Resume on 1 rank, or from a state with no batch delivered "
+                                "ahead of its frontier (as at an epoch end)"), message
+        assert "different" not in message and "1 ranks" not in message
+    # a DDP checkpoint holds every rank's window: alike, or one rank ahead and one not
+    entry = ahead["parts"]["window"]["ranks"][0]
+    for ranks, why in (([entry, entry], f"on every rank, batch{'es' * (len(_ahead(ahead)) > 1)} "
+                        f"{listed} had been delivered ahead of the frontier, batch "
+                        f"{ahead['batches']} (out of order)"),
+                       ([entry, [ahead["batches"], []]], "its ranks had delivered different "
+                        f"batches (rank 0: frontier {ahead['batches']}, ahead batch"),
+                       ([entry, [ahead["batches"] + 1, []]], "its ranks had delivered "
+                        f"different batches (rank 0: frontier {ahead['batches']}, ahead batch")):
+        gathered = {**ahead, "parts": {**ahead["parts"], "window": {"ranks": ranks}}}
+        with pytest.raises(StateMismatchError, match=re.escape(
+                f"saved on 2 ranks cannot resume on 1: {why}")) as refused:
+            _make(gate).load_state_dict(gathered)
+        if ranks[1] != entry:
+            assert f"rank 1: frontier {ranks[1][0]}, ahead none)" in str(refused.value)
+    corrupted = {**ahead, "parts": {**ahead["parts"], "window": {"ranks": [[ahead["batches"],
+                                                                            [[5, 3]]]]}}}
+    with pytest.raises(StateMismatchError, match=r"corrupted.*entry .* of rank 0 is not"):
+        _make(gate, rank=0, world=2).load_state_dict(corrupted)
 
 
 def test_a_window_from_another_dataset_or_configuration_names_each_mismatch(tmp_path: Path
