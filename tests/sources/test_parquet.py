@@ -341,6 +341,114 @@ def test_resume_with_another_num_workers(files) -> None:
     resumed.close()
 
 
+# -- Hive-partitioned directories ----------------------------------------------------------------
+
+HIVE = [("year=2020/tag=a%20b", [3, 2]), ("year=2020/tag=__HIVE_DEFAULT_PARTITION__", [4]),
+        ("year=2021/tag=7", [2, 5]), ("year=2022", [3])]  # the last has no tag: null
+HIVE_TOTAL = sum(sum(groups) for _, groups in HIVE)
+
+
+def write_hive(root: Path, layout=HIVE) -> list[Path]:
+    """``part0.parquet`` in each ``key=value`` directory (one name in all, as pyarrow's
+    ``write_to_dataset`` writes), with the given row groups; ids count up from 0."""
+    paths, first = [], 0
+    for folder, groups in layout:
+        (root / folder).mkdir(parents=True)
+        paths.append(root / folder / "part0.parquet")
+        with pq.ParquetWriter(paths[-1], _table(range(0)).schema) as writer:
+            for size in groups:
+                writer.write_table(_table(range(first, first + size)), row_group_size=size)
+                first += size
+    return paths
+
+
+def _plain(row: dict) -> dict:
+    return {name: value.item() if isinstance(value, np.generic) else value
+            for name, value in row.items()}
+
+
+def test_hive_partition_keys_are_columns_as_pyarrow_dataset_reads_them(tmp_path) -> None:
+    """Every file gets the keys of its directories below the one given, typed as pyarrow
+    infers them (year: int32; tag: '7' alongside 'a b' makes it a string), a missing or
+    default partition as null; a directory, a glob and a filesystem read alike."""
+    pads = pytest.importorskip("pyarrow.dataset", reason="the reference reader")
+    paths = write_hive(tmp_path / "hive")
+    source = ParquetSource(tmp_path / "hive")
+    expected = pads.dataset(tmp_path / "hive", partitioning="hive").to_table()
+    assert source.columns == expected.column_names == ["id", "x", "name", "year", "tag"]
+    rows = sorted((_plain(row) for row in source), key=lambda row: row["id"])
+    assert rows == sorted(expected.to_pylist(), key=lambda row: row["id"])
+    assert [(row["year"], row["tag"]) for row in rows[4:6]] == [(2020, "a b"), (2020, None)]
+    assert rows[-1]["tag"] is None and rows[9]["tag"] == "7"
+    assert type(list(source)[0]["year"]) is np.int32
+    local = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
+    for same in (ParquetSource(str(tmp_path / "hive" / "**" / "*.parquet")),
+                 ParquetSource(str(tmp_path / "hive" / "year=*" / "**" / "*.parquet")),
+                 ParquetSource("hive", filesystem=local), pickle.loads(pickle.dumps(source))):
+        assert same.columns == source.columns and list(same) == list(source)
+    chosen = ParquetSource(tmp_path / "hive", columns=["tag", "id"])
+    assert [_plain(row) for row in chosen.open_shard(2, 1)] == [{"tag": "a b", "id": 4}]
+    assert _plain(next(chosen.open_shard(0, 1))) == {"tag": None, "id": 6}  # files sorted
+    only = ParquetSource(tmp_path / "hive", columns=["year"])
+    assert [row["year"] for row in only] == [row["year"] for row in source]
+    assert list(ParquetSource(paths[0]))[0] == list(ParquetSource(paths))[0]  # files: no keys
+    assert ParquetSource(paths).columns == ["id", "x", "name"]
+    arrow = tmp_path / "arrow" / "shard=3" / "part0.arrow"
+    arrow.parent.mkdir(parents=True)
+    with pa.ipc.new_file(arrow, _table(range(2)).schema) as sink:
+        sink.write_table(_table(range(2)))
+    assert [row["shard"] for row in ArrowSource(tmp_path / "arrow")] == [3, 3]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_hive_partitions_resume_at_every_step(workers, tmp_path) -> None:
+    write_hive(tmp_path)
+
+    def make():
+        return ResumableLoader(ParquetSource(tmp_path, columns=["year", "id", "name"]),
+                               batch_size=3, shuffle=True, seed=2, num_workers=workers)
+
+    full = check_resume_at_every_step(make, epochs=2)
+    years = {i: 2020 if i < 9 else 2021 if i < 16 else 2022 for i in range(HIVE_TOTAL)}
+    for epoch in full:
+        assert sorted(i for batch in epoch for i in batch["id"]) == list(range(HIVE_TOTAL))
+        assert all(year == years[i] for batch in epoch
+                   for i, year in zip(batch["id"], batch["year"], strict=True))
+    assert next(iter(make()))["year"].dtype == torch.int32
+
+
+def test_the_fingerprint_names_the_partition_values_read(tmp_path) -> None:
+    """Renamed partition directories read other values from files of the same names and
+    row groups: another fingerprint, unless the keys are left out."""
+    write_hive(tmp_path / "a")
+    write_hive(tmp_path / "b", [(folder.replace("2022", "2029"), groups)
+                                for folder, groups in HIVE])
+    assert ParquetSource(tmp_path / "a").fingerprint != ParquetSource(tmp_path / "b").fingerprint
+    assert (ParquetSource(tmp_path / "a", columns=["id", "tag"]).fingerprint
+            == ParquetSource(tmp_path / "b", columns=["id", "tag"]).fingerprint)
+    plain = ParquetSource(tmp_path / "a", columns=["id"]).fingerprint
+    assert "partitions" not in plain
+
+
+def test_hive_misuse_is_refused_with_the_fix(tmp_path) -> None:
+    pads = pytest.importorskip("pyarrow.dataset", reason="a Dataset is refused")
+    paths = write_hive(tmp_path / "hive")
+    with pytest.raises(TypeError, match=r"takes paths, not a pyarrow\.dataset\.FileSystemDataset"
+                                        r".*the directory it was made from.*ds\.files.*"
+                                        r"TableDataset\(ds\.to_table\(\)\)"):
+        ParquetSource(pads.dataset(tmp_path / "hive", partitioning="hive"))
+    with pytest.raises(ValueError, match=r"has no column\(s\) \['year'\].*\['year'\] are Hive "
+                                         r"partition keys of its path.*directory above them"):
+        ParquetSource(paths[0], columns=["id", "year"])
+    clash = tmp_path / "clash" / "id=5" / "part0.parquet"
+    clash.parent.mkdir(parents=True)
+    pq.write_table(_table(range(2)), clash)
+    with pytest.raises(ValueError, match=r"has column\(s\) \['id'\] that are also Hive "
+                                         r"partition keys \(id=5/part0\.parquet\)"):
+        ParquetSource(tmp_path / "clash")
+    assert [row["id"] for row in ParquetSource(clash)] == [0, 1]
+
+
 # -- Arrow IPC files ----------------------------------------------------------------------------
 
 
