@@ -5,10 +5,16 @@ A ``torch.utils.data.DataLoader`` (any subclass, any sampler or batch sampler) b
 and the distributed, resumable equivalent of its sampler. Unlike Lightning's sampler
 replacement, nothing is re-instantiated from captured ``__init__`` arguments, so subclasses with
 extra required arguments convert too; behaviour a subclass adds in ``__iter__`` is not kept.
+
+A ``webdataset.WebLoader`` is no ``DataLoader`` but a pipeline whose first stage is one: it
+converts as that ``DataLoader`` when it adds no stages after it, and is refused, naming them,
+when it does (``.unbatched().shuffle(n).batched(b)``, ``.with_epoch(n)``): dropping them would
+change what a batch holds.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, default_collate
@@ -17,7 +23,7 @@ from lightning_loaders.loaders.resumable import ResumableLoader
 from lightning_loaders.orders.from_torch import sampler_seed, unbatched_sampler
 from lightning_loaders.schedule.map_schedule import resolve_seed
 
-__all__ = ["loader_arguments", "make_resumable"]
+__all__ = ["is_webloader", "loader_arguments", "make_resumable"]
 
 # Overrides that replace how the source loader batches, and the source arguments they replace.
 _REPLACES = {
@@ -31,11 +37,12 @@ _REPLACES = {
 _WORKER_SETTINGS = ("timeout", "multiprocessing_context", "prefetch_factor", "persistent_workers")
 
 
-def make_resumable(loader: DataLoader[Any] | ResumableLoader, **overrides: Any
-                   ) -> ResumableLoader:
-    """A ``ResumableLoader`` equivalent to ``loader``; ``overrides`` are ``ResumableLoader``
-    keyword arguments that replace what the loader says (``seed``, ``last_batch``,
-    ``num_workers``, ``evaluation``, ...).
+def make_resumable(loader: DataLoader[Any] | ResumableLoader | IterableDataset[Any],
+                   **overrides: Any) -> ResumableLoader:
+    """A ``ResumableLoader`` equivalent to ``loader`` (a ``DataLoader``, or a
+    ``webdataset.WebLoader`` with no stages after its ``DataLoader``); ``overrides`` are
+    ``ResumableLoader`` keyword arguments that replace what the loader says (``seed``,
+    ``last_batch``, ``num_workers``, ``evaluation``, ...).
 
     The sampler becomes an exact equivalent computed from ``(seed, epoch, position)`` for
     torch's samplers, or is drawn once per epoch for any other sampler. The seed is, in order:
@@ -48,9 +55,11 @@ def make_resumable(loader: DataLoader[Any] | ResumableLoader, **overrides: Any
             raise TypeError(f"the loader is already a ResumableLoader; build it with "
                             f"{sorted(overrides)} instead of overriding them")
         return loader
+    if is_webloader(loader):
+        loader = _webloader_dataloader(loader)
     if not isinstance(loader, DataLoader):
-        raise TypeError(f"make_resumable converts a torch.utils.data.DataLoader, got "
-                        f"{type(loader).__name__}")
+        raise TypeError(f"make_resumable converts a torch.utils.data.DataLoader or a "
+                        f"webdataset.WebLoader, got {type(loader).__name__}")
     arguments = loader_arguments(loader, overrides.get("seed"))
     for name in overrides:
         for replaced in _REPLACES.get(name, ()):
@@ -98,6 +107,46 @@ def loader_arguments(loader: DataLoader[Any], seed: int | None = None) -> dict[s
     else:  # unbatched: each sample as the sampler gives it, converted
         arguments.update(sampler=loader.sampler, batch_size=None)
     return arguments
+
+
+def is_webloader(loader: Any) -> bool:
+    """Whether ``loader`` is a WebDataset pipeline over a ``DataLoader`` (a
+    ``webdataset.WebLoader``, or a ``DataPipeline`` whose first stage is a ``DataLoader``)."""
+    stages = getattr(loader, "pipeline", None)
+    from_webdataset = any(cls.__module__.startswith("webdataset")  # with_length(): a subclass
+                          for cls in type(loader).__mro__)
+    return (from_webdataset and isinstance(stages, list) and bool(stages)
+            and isinstance(stages[0], DataLoader))
+
+
+def _webloader_dataloader(loader: Any) -> DataLoader[Any]:
+    """The ``DataLoader`` a WebLoader wraps; ``TypeError`` naming the stages it adds after it,
+    which a ``ResumableLoader`` over that ``DataLoader`` would silently drop."""
+    dataloader, *stages = loader.pipeline
+    added = [_stage_name(stage) for stage in stages]
+    if loader.nsamples > 0:  # with_epoch(n) or repeat(nbatches=n)
+        added.append(f"an epoch of {loader.nsamples} (with_epoch/repeat)")
+    elif loader.repetitions != 1:
+        times = "endlessly" if loader.repetitions == sys.maxsize else f"{loader.repetitions} times"
+        added.append(f"repeating {times} (repeat)")
+    if added:
+        raise TypeError(
+            f"make_resumable cannot convert this {type(loader).__name__}: it adds "
+            f"{', '.join(added)} after its DataLoader, which a ResumableLoader over that "
+            "DataLoader would drop. Build one from the WebLoader's dataset (a "
+            f"{type(dataloader.dataset).__name__}) instead: ResumableLoader(dataset, "
+            "batch_size=..., shuffle_buffer=...) batches and shuffles its whole stream "
+            "resumably; or give the WebLoader no stages after its DataLoader")
+    return dataloader
+
+
+def _stage_name(stage: Any) -> str:
+    """A WebDataset pipeline stage as its fluid method is called (``shuffle(8)``)."""
+    function = getattr(stage, "f", None)
+    name = getattr(function, "__name__", type(stage).__name__).lstrip("_")
+    values = [repr(value) if isinstance(value, int | float | str) else "..."
+              for value in getattr(stage, "args", ())]
+    return f"{name}({', '.join(values)})"
 
 
 def _sampler_generator(sampler: Any) -> Any:

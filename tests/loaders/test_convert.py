@@ -280,3 +280,64 @@ def test_evaluation_loaders_read_every_sample_once_even_with_batch_size_one() ->
     assert len(ranks[0]) == len(ranks[1]) == 3
     assert sorted(i for r in ranks for b in r for i in b) == list(range(7))
     assert ranks[0][-1] == [4, 5] and ranks[1][-1] == [6]
+
+
+def _webloader(urls: list[str], batched: bool, workers: int = 0,
+               loader: Any = None) -> Any:
+    """``webdataset.WebLoader`` (or ``loader``) as WebDataset's documentation builds it:
+    batched by its DataLoader, or over a dataset that batches itself (``batch_size=None``)."""
+    import webdataset as wds
+
+    loader = loader or wds.WebLoader
+    dataset = wds.WebDataset(urls, shardshuffle=False).decode().to_tuple("cls")
+    if batched:
+        return loader(dataset.batched(4), batch_size=None, num_workers=workers)
+    return loader(dataset, batch_size=4, num_workers=workers)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["loader-batches", "dataset-batches"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_webloader_converts_as_the_dataloader_it_wraps(tmp_path, batched: bool,
+                                                         workers: int) -> None:
+    """A WebLoader is no DataLoader but a WebDataset pipeline over one (refused before with
+    'converts a torch.utils.data.DataLoader, got WebLoader'): with no stages after it, it
+    converts as that DataLoader, with its workers and batching, and resumes exactly."""
+    pytest.importorskip("webdataset")
+    from tests.sources.test_webdataset import write_shards
+
+    urls = write_shards(tmp_path)  # 40 samples
+
+    def make() -> ResumableLoader:
+        return make_resumable(_webloader(urls, batched, workers))
+
+    def key(batch: Any) -> list[int]:
+        return batch[0].tolist()
+
+    assert make().num_workers == workers
+    with_length = _webloader(urls, batched, workers).with_length(10, silent=True)  # a subclass
+    assert isinstance(make_resumable(with_length), ResumableLoader)
+    full = check_resume_at_every_step(make, epochs=2, key=key)
+    assert full == run_epochs(make_resumable(_webloader(urls, batched, workers, DataLoader)),
+                              range(2), key)
+    assert [sorted(i for b in epoch for i in b) for epoch in full] == [list(range(40))] * 2
+    if workers == 0:
+        assert full[0] == [list(range(i, i + 4)) for i in range(0, 40, 4)]
+
+
+@pytest.mark.parametrize(("stages", "named"), [
+    (lambda loader: loader.unbatched().shuffle(8).batched(4),
+     r"adds unbatched\(\), shuffle\(8\), batched\(4\) after its DataLoader"),
+    (lambda loader: loader.with_epoch(3), r"adds an epoch of 3 \(with_epoch/repeat\)"),
+    (lambda loader: loader.repeat(2), r"adds repeating 2 times \(repeat\)"),
+], ids=["reshuffled", "with_epoch", "repeat"])
+def test_a_webloader_with_stages_after_its_dataloader_is_refused_naming_them(
+        tmp_path, stages, named: str) -> None:
+    """Converting the DataLoader alone would drop them (a cross-batch shuffle, an epoch's
+    length): refused, with the loader that does that resumably."""
+    pytest.importorskip("webdataset")
+    from tests.sources.test_webdataset import write_shards
+
+    loader = stages(_webloader(write_shards(tmp_path), batched=False))
+    with pytest.raises(TypeError, match=named + r".*dataset \(a WebDataset\) instead: "
+                                                r"ResumableLoader\(dataset, batch_size="):
+        make_resumable(loader)
