@@ -1,11 +1,13 @@
 """``ResumableDataModule``: a ``LightningDataModule`` whose loaders always reach the Trainer as
 distributed, resumable ones, and whose own state carries the training loaders' cursors.
 
-Subclasses write the usual hooks returning ordinary ``DataLoader``s (or ``ResumableLoader``s, or
-lists, dicts and ``CombinedLoader``s of them); what the hooks return is converted with
-``make_resumable`` (evaluation loaders with ``evaluation=True``; prediction loaders also report
-their batch indices to ``BasePredictionWriter``). Lightning's sampler replacement leaves the
-results alone (they are not ``DataLoader``s), whatever ``use_distributed_sampler`` says.
+Subclasses write the usual hooks returning ordinary ``DataLoader``s (or ``webdataset.WebLoader``s,
+``ResumableLoader``s, or lists, dicts and ``CombinedLoader``s of them); what the hooks return is
+converted with ``make_resumable`` (evaluation loaders with ``evaluation=True``; prediction
+loaders also report their batch indices to ``BasePredictionWriter``). Lightning's sampler
+replacement leaves the results alone (they are not ``DataLoader``s), whatever
+``use_distributed_sampler`` says. A loader that is neither converted nor has a state of its
+own is named in a warning: it would reach the Trainer unsplit, and a resume would restart it.
 
 Why the cursors also live here: Lightning restores a datamodule's state before it builds the
 training loaders, but restores the loaders' own state only if it builds them after restoring
@@ -32,9 +34,10 @@ from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader
 
 from lightning_loaders.lightning.batch_indices import expose_batch_indices
-from lightning_loaders.loaders.convert import make_resumable
+from lightning_loaders.loaders.convert import is_webloader, make_resumable
 from lightning_loaders.loaders.map_style import MapStyleLoader
 from lightning_loaders.loaders.resumable import ResumableLoader
+from lightning_loaders.state import is_stateful
 
 __all__ = ["STATE_KEY", "ResumableDataModule", "convert_loader", "convert_passed_loaders",
            "user_shards"]
@@ -151,9 +154,11 @@ def _cursors(module: ResumableDataModule) -> _Cursors:
 
 
 def convert_loader(loader: Any, stage: str) -> Any:
-    """A plain ``DataLoader`` made resumable for ``stage`` (train, validate, test or predict:
-    evaluation loaders read every sample once on every rank); anything else as it is."""
-    if isinstance(loader, ResumableLoader) or not isinstance(loader, DataLoader):
+    """A plain ``DataLoader`` or ``webdataset.WebLoader`` made resumable for ``stage`` (train,
+    validate, test or predict: evaluation loaders read every sample once on every rank);
+    anything else as it is."""
+    if isinstance(loader, ResumableLoader) or not (isinstance(loader, DataLoader)
+                                                   or is_webloader(loader)):
         return loader
     if stage == "train":
         return make_resumable(loader)
@@ -190,6 +195,7 @@ def _converting(hook: Callable[..., Any], stage: str) -> Callable[..., Any]:
     def converted(self: ResumableDataModule, *args: Any, **kwargs: Any) -> Any:
         loaders = _convert_tree(hook(self, *args, **kwargs),
                                 functools.partial(self.convert, stage=stage))
+        _warn_unconverted(loaders, hook.__name__, stage)
         if stage == "train":
             trainer = self.trainer
             outlived = _cursors(self).track(loaders, trainer.current_epoch if trainer else None)
@@ -205,6 +211,23 @@ def _converting(hook: Callable[..., Any], stage: str) -> Callable[..., Any]:
 
     converted._converted_stage = stage  # type: ignore[attr-defined]
     return converted
+
+
+def _warn_unconverted(loaders: Any, hook: str, stage: str) -> None:
+    """Warn of loaders ``hook`` returned that are still neither converted nor stateful (an
+    iterable of another library's, ``convert`` overridden): they pass on as they are."""
+    for key, leaf in _leaves(loaders):
+        if leaf is None or is_stateful(leaf) or not hasattr(type(leaf), "__iter__"):
+            continue
+        where = f"loader {key!r} " if key else ""
+        restarts = (", and a resume restarts its epoch, repeating the samples read before the "
+                    "checkpoint and losing others" if stage == "train" else "")
+        warnings.warn(f"{hook}() returned {where}({type(leaf).__name__}) that ResumableDataModule "
+                      "cannot make resumable (it converts torch DataLoaders and "
+                      "webdataset.WebLoaders) and that has no state_dict(): it reaches the "
+                      f"Trainer as it is, not split across ranks by this package{restarts}. "
+                      f"Return a DataLoader or a ResumableLoader(dataset, batch_size=...) from "
+                      f"{hook}()", stacklevel=3)
 
 
 def _with_cursors(state_dict: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:

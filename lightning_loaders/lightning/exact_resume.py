@@ -49,7 +49,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
 
-from lightning_loaders.lightning.datamodule import convert_passed_loaders, user_shards
+from lightning_loaders.lightning.datamodule import (
+    ResumableDataModule,
+    convert_passed_loaders,
+    user_shards,
+)
 from lightning_loaders.schedule.audit import saved_digest
 from lightning_loaders.state import abandoned, is_stateful
 
@@ -564,22 +568,29 @@ def _rebuilt_since(trainer: L.Trainer, loaded_at: int | None) -> bool:
 
 def _warn_unresumable(trainer: L.Trainer) -> None:
     """Warn of training loaders without ``state_dict()`` (a plain ``DataLoader`` returned by a
-    module's or a plain datamodule's hook, which is left to it): Lightning restarts their
-    epoch on resume, so its first samples repeat and the others are lost."""
+    module's or a plain datamodule's hook, which is left to it, or a loader a
+    ``ResumableDataModule`` cannot convert): Lightning restarts their epoch on resume, so its
+    first samples repeat and the others are lost."""
     combined = trainer.fit_loop._combined_loader
     plain = [f"{index} ({type(loader).__name__})"
              for index, loader in enumerate(combined.flattened if combined is not None else [])
              if not is_stateful(loader)]
     if not plain:
         return
-    fix = ("ExactResume converts plain DataLoaders passed to fit() only; return a resumable "
-           "one from the hook (lightning_loaders.make_resumable, or a ResumableDataModule)")
-    if user_shards(trainer):
+    if isinstance(trainer.fit_loop._data_source.instance, ResumableDataModule):
+        fix = ("ResumableDataModule converts torch DataLoaders and webdataset.WebLoaders only; "
+               "return a DataLoader or a ResumableLoader(dataset, batch_size=...) from "
+               "train_dataloader()")
+    elif user_shards(trainer):
         fix = ("Under Trainer(use_distributed_sampler=False) on several processes, ExactResume "
                "leaves the DataLoaders passed to fit() as they are: each rank reads its own as "
                "given, so one whose sampler splits the data by rank is not split again. For "
                "an exact resume pass make_resumable(loader) over the whole dataset's sampler "
                "(it gives each rank its share)")
+    else:
+        fix = ("ExactResume converts plain DataLoaders and webdataset.WebLoaders passed to "
+               "fit() only; return a resumable one from the hook "
+               "(lightning_loaders.make_resumable, or a ResumableDataModule)")
     warnings.warn(f"training loader {', '.join(plain)} has no state_dict(): a resume restarts "
                   "its epoch, repeating the samples read before the checkpoint and losing "
                   f"others. {fix}", stacklevel=2)

@@ -1,3 +1,5 @@
+import functools
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +215,80 @@ def test_a_cursor_at_an_epochs_end_is_not_given_to_loaders_reloaded_for_the_next
         resumed = _fit(CycledData, tmp_path, [ExactResume()],
                        ckpt_path=checkpoint_at(directory, step), **options)
         assert resumed == full[step:], f"resume from step {step}"
+
+
+class WebLoaderData(ResumableDataModule):
+    """``webdataset.WebLoader``, the loader WebDataset's documentation uses."""
+
+    def __init__(self, urls: list[str]) -> None:
+        super().__init__()
+        self.urls = urls
+
+    def train_dataloader(self) -> Any:
+        import webdataset as wds
+
+        dataset = wds.WebDataset(self.urls, shardshuffle=False).decode().to_tuple("cls")
+        return wds.WebLoader(dataset, batch_size=4)
+
+
+def test_a_webloader_from_a_hook_is_converted_and_resumes_exactly(tmp_path: Path) -> None:
+    """A WebLoader is no DataLoader: it passed through unconverted and in silence, and a
+    resume after step 3 restarted the epoch ([[0..3], [4..7]] where [[12..15], [16..19]] were
+    next)."""
+    pytest.importorskip("webdataset")
+    from tests.sources.test_webdataset import write_shards
+
+    urls = write_shards(tmp_path / "shards")  # 40 samples: 10 batches of 4 per epoch
+    data = functools.partial(WebLoaderData, urls)
+    assert isinstance(data().train_dataloader(), ResumableLoader)
+    directory = tmp_path / "checkpoints"
+    full = _fit(data, tmp_path, [every_step_checkpoints(directory)], model=RecordingModule)
+    assert [b for _, _, b in full[3:5]] == [[list(range(12, 16))], [list(range(16, 20))]]
+    for step in (3, 7, 14):
+        resumed = _fit(data, tmp_path, ckpt_path=checkpoint_at(directory, step),
+                       model=RecordingModule)
+        assert resumed == full[step:], f"resume from step {step}"
+
+
+class _Batches:
+    """An iterable of batches that is no DataLoader and has no state of its own."""
+
+    def __iter__(self) -> Any:
+        return iter([torch.arange(2), torch.arange(2, 4)])
+
+
+class UnconvertibleData(ResumableDataModule):
+    def train_dataloader(self) -> Any:
+        return _Batches()
+
+    def val_dataloader(self) -> Any:
+        return {"plain": DataLoader(IndexDataset(3)), "other": _Batches()}
+
+
+def test_a_loader_it_cannot_convert_is_named_in_a_warning() -> None:
+    """It reaches the Trainer as it is (a training one restarts its epoch on resume): never in
+    silence, and the fix is one that applies inside a ResumableDataModule."""
+    data = UnconvertibleData()
+    with pytest.warns(UserWarning, match=r"train_dataloader\(\) returned \(_Batches\) that "
+                      r"ResumableDataModule cannot make resumable.*a resume restarts its "
+                      r"epoch.*ResumableLoader\(dataset, batch_size=\.\.\.\) from "
+                      r"train_dataloader\(\)"):
+        data.train_dataloader()
+    with pytest.warns(UserWarning, match=r"val_dataloader\(\) returned loader 'other' "
+                                         r"\(_Batches\)") as caught:
+        val = data.val_dataloader()
+    assert len(caught) == 1 and "resume" not in str(caught[0].message)
+    assert isinstance(val["plain"], ResumableLoader)
+
+
+def test_what_converts_or_is_no_loader_is_not_warned_about() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        data = Structures()  # its val_dataloader returns [0, 1, 2] too
+        for hook in (data.train_dataloader, data.val_dataloader, data.test_dataloader,
+                     data.predict_dataloader):
+            hook()
+    assert [str(w.message) for w in caught if "ResumableDataModule" in str(w.message)] == []
 
 
 # -- real 2-process DDP --------------------------------------------------------------------------

@@ -189,6 +189,18 @@ def test_plain_dataloaders_passed_to_fit_are_made_resumable(tmp_path: Path) -> N
     assert exact_steps == steps == list(range(1, STEPS + 1))
 
 
+def test_a_webloader_passed_to_fit_is_made_resumable(tmp_path: Path) -> None:
+    """``webdataset.WebLoader`` is no DataLoader (a WebDataset pipeline over one): it is
+    converted as the DataLoader it wraps, where it was left to restart on resume."""
+    wds = pytest.importorskip("webdataset")
+    from tests.sources.test_webdataset import write_shards
+
+    dataset = wds.WebDataset(write_shards(tmp_path / "shards"), shardshuffle=False)
+    trainer = make_trainer(tmp_path, 1, [ExactResume()], max_steps=2)
+    trainer.fit(EventModule(), wds.WebLoader(dataset.decode().to_tuple("cls"), batch_size=4))
+    assert isinstance(trainer.train_dataloader, ResumableLoader)
+
+
 def test_without_it_a_shuffled_validation_loader_restarts_its_order(tmp_path: Path) -> None:
     """Each pass is a new epoch of the validation loader: its state must travel with the
     checkpoint even between passes (Lightning saves only the training loaders')."""
@@ -700,6 +712,33 @@ def test_a_plain_loader_from_a_hook_is_named_in_a_warning(tmp_path: Path) -> Non
     with pytest.warns(UserWarning, match=r"training loader 0 \(DataLoader\) has no "
                                          r"state_dict\(\).*make_resumable"):
         trainer.fit(EventModule(), datamodule=_PlainData())
+
+
+class _Batches:
+    """An iterable of batches that is no DataLoader and has no state of its own."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter([torch.arange(2), torch.arange(2, 4)])
+
+
+class _UnconvertibleData(ResumableDataModule):
+    def train_dataloader(self) -> Any:
+        return _Batches()
+
+
+def test_a_loader_a_resumable_data_module_cannot_convert_gets_a_fix_that_applies(
+        tmp_path: Path) -> None:
+    """The user already has a ResumableDataModule: the warning said to use one."""
+    trainer = make_trainer(tmp_path, 1, [ExactResume()])
+    with pytest.warns(UserWarning) as caught:
+        trainer.fit(EventModule(), datamodule=_UnconvertibleData())
+    [message] = [str(w.message) for w in caught if "has no state_dict" in str(w.message)
+                 and str(w.message).startswith("training loader")]
+    assert message.startswith("training loader 0 (_Batches) has no state_dict()")
+    assert "ResumableDataModule converts torch DataLoaders and webdataset.WebLoaders only; " \
+           "return a DataLoader or a ResumableLoader(dataset, batch_size=...) from " \
+           "train_dataloader()" in message
+    assert "or a ResumableDataModule" not in message
 
 
 def test_it_adds_no_warnings_or_log_records(tmp_path: Path,
