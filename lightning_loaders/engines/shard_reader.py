@@ -395,7 +395,7 @@ class SlotFetcher(Dataset[Any]):
         try:
             reader = self._reader(request)
             if reader.exhausted:
-                return SlotEnd(request.slot)
+                return self._slot_end(request.slot, reader)
             known = self.config.lengths is not None
             with seeded_fetch(self.config.seed, request.epoch, request.batch, request.rank,
                                request.slot):
@@ -405,7 +405,7 @@ class SlotFetcher(Dataset[Any]):
                         if not samples or (len(samples) < request.size
                                            and self.config.last_batch == "drop"):
                             reader.exhausted = True
-                            return SlotEnd(request.slot)
+                            return self._slot_end(request.slot, reader)
                         reader.exhausted = len(samples) < request.size or reader.at_end()
                 if known and len(samples) < request.size:
                     raise ValueError(f"slot {request.slot} ran out of samples {reader.where()}: "
@@ -417,6 +417,12 @@ class SlotFetcher(Dataset[Any]):
             raise _fetch_error(request, reader, exc) from exc
         head, reader.head = reader.head, None
         return Delivered(request.slot, request.batch, data, cursor, head)
+
+    def _slot_end(self, slot: int, reader: SlotReader) -> SlotEnd:
+        """The slot's end; for a plain stream of unknown length, with the stream position its
+        copy ended at, for the schedule to compare with the other slots' (``SlotEnd.end``)."""
+        plain_unknown = self.config.strided and self.config.lengths is None
+        return SlotEnd(slot, reader.cursor().offset if plain_unknown else None)
 
     def set_epoch(self, epoch: int) -> None:
         """Forward the epoch to the source's ``set_epoch``, once per epoch in this process.

@@ -106,6 +106,7 @@ class SlotEnd(NamedTuple):
     """The slot has no batch left (``slot=-1``: the answer to a skip request)."""
 
     slot: int
+    end: int | None = None  # a plain stream of unknown length: the position its copy ended at
 
 
 SKIP = SlotRequest(-1, -1, -1, -1, -1, -1, 0, None)

@@ -4,6 +4,7 @@ sent to the slots, and (unknown lengths under DDP) the ranks' agreement on batch
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -41,6 +42,7 @@ _PER_RANK, _ENDED, _POSITIONS = "per_rank", "ended", "positions"
 _ORIGIN = "origin"  # "rollover": rollover_span's [epoch, stream position] (absent while 0, 0)
 # canonical partitions: their number, and [first item, first batch] of the epoch's last deal
 _PARTITIONS, _BASE = "partitions", "base"
+_SECOND = operator.itemgetter(1)
 
 
 class IterableSchedule(EpochOwner):
@@ -69,6 +71,10 @@ class IterableSchedule(EpochOwner):
         self._start_batches = 0
         self._undo: deque[tuple[int, Cursor]] = deque(maxlen=8)
         self._head: tuple[int, int, int] | None = None  # epoch, slot, its plain stream's head
+        # a plain stream of unknown length: (slot, stream position) of the furthest slot
+        # cursor, and of the earliest where a slot's copy ended (see _check_tail)
+        self._furthest: tuple[int, int] = (0, 0)
+        self._shortest: tuple[int, int] | None = None
         self._open_tail = False  # a restored epoch that may have no batch left (see open_tail)
 
     @property
@@ -182,6 +188,8 @@ class IterableSchedule(EpochOwner):
         if isinstance(item, SlotEnd):
             if item.slot >= 0:
                 self.exhausted.add(item.slot)
+                if item.end is not None:
+                    self._check_tail(item.slot, item.end, True)
             return
         self.received_batches += 1
         if item.head is not None:
@@ -190,6 +198,8 @@ class IterableSchedule(EpochOwner):
             self._received_cursors[item.slot] = item.cursor
             if item.cursor.exhausted:
                 self.exhausted.add(item.slot)
+            if self.config.strided:
+                self._check_tail(item.slot, item.cursor.offset, item.cursor.exhausted)
 
     def delivered(self, item: Delivered | None = None, last: bool = False) -> None:
         """Count one batch handed to the caller (``last``: the ranks agreed it ends the epoch;
@@ -283,6 +293,37 @@ class IterableSchedule(EpochOwner):
                 "file, a connection), draw augmentations from lightning_loaders.sample_rng(), "
                 "or use a ShardedSource")
 
+    def _check_tail(self, slot: int, position: int, ended: bool) -> None:
+        """Refuse a plain stream of unknown length that ends earlier in one slot than another
+        slot reads: slot ``s`` of ``k`` (ranks x slots) reads positions ``s, s + k, ...``, so
+        a cursor at ``position`` has read ``position - k``, and one whose copy ended there
+        had nothing at ``position``; reading one stream, every slot ends within ``k`` of the
+        others. A slot's copy that ends early (a ``worker_init_fn`` that caps or filters it)
+        would lose the other slots' samples past its end in silence. Two comparisons per
+        batch received (the slots of this rank only: no collective)."""
+        if position > self._furthest[1]:
+            self._furthest = (slot, position)
+        if ended and (self._shortest is None or position < self._shortest[1]):
+            self._shortest = (slot, position)
+        stride = self.placement[1] * self.slots
+        if self._shortest is None or self._furthest[1] - stride < self._shortest[1]:
+            return
+        (short, end), (long, read) = self._shortest, (self._furthest[0],
+                                                      self._furthest[1] - stride)
+        rank = f" of rank {self.placement[0]}" if self.placement[1] > 1 else ""
+        raise ValueError(
+            f"the plain dataset's stream ends earlier in worker slot {short} than in slot "
+            f"{long}{rank} (epoch {self.epoch}): slot {short}'s copy had no sample at stream "
+            f"position {end}, while slot {long} read position {read}. Every worker reads the "
+            "whole stream and keeps its share, so each must see the same one, or the other "
+            f"slots' samples from position {end} on would be lost. A "
+            "worker_init_fn that changes the stream per worker (caps, filters or splits it) "
+            "does this, and so does a stream that depends on the process (its randomness, "
+            "environment or files). Split the stream in __iter__ with get_worker_info() "
+            "instead (the loader reads it whole and shares it out), leave per-worker set-up "
+            "to what does not change the samples (an open file, a connection), or use a "
+            "ShardedSource")
+
     def _dealt(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
         """This rank's batches of the current epoch's deal (canonical partitions)."""
         assert self.epoch is not None and self.partitions is not None
@@ -310,6 +351,9 @@ class IterableSchedule(EpochOwner):
         self.generation += 1
         self.received_batches = self._start_batches = batches
         self._received_cursors = list(cursors)
+        self._furthest = max(enumerate(c.offset for c in cursors), key=_SECOND, default=(0, 0))
+        self._shortest = min(((w, c.offset) for w, c in enumerate(cursors) if c.exhausted),
+                             key=_SECOND, default=None)
         self._undo.clear()
         self.ended = (layout.num_batches is not None and batches >= layout.num_batches) or (
             layout.num_batches is None and all(cursor.exhausted for cursor in cursors))

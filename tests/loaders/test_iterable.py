@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from lightning_loaders import ResumableLoader
+from lightning_loaders import ResumableLoader, worker_info
 from lightning_loaders.errors import SampleFetchError, StateMismatchError, WorkerCrashedError
 from lightning_loaders.loaders.convert import make_resumable
 from lightning_loaders.loaders.iterable import ResumableIterableLoader
@@ -827,6 +827,56 @@ def test_a_plain_stream_split_in_worker_init_fn_is_refused_not_thinned(init, bac
                                          r"slot 0 .*worker_init_fn that splits"):
         list(loader)
     loader.close()
+
+
+def _cap_worker_one(worker_id: int) -> None:
+    """A per-worker cap that leaves the first samples alone: worker 1's copy ends at 12."""
+    if worker_id == 1:
+        info = worker_info()
+        assert info is not None
+        info.dataset.end = 12
+
+
+def _capped_loader(kind: str) -> Any:
+    """23 ids of unknown length over 2 workers, worker 1's copy capped at 12 (``kind``:
+    ``"backend, last_batch, shuffle_buffer"``, or ``make_resumable``)."""
+    if kind == "make_resumable":
+        return make_resumable(DataLoader(_Range(0, 23), batch_size=4, num_workers=2,
+                                         worker_init_fn=_cap_worker_one))
+    backend, last_batch, buffer = kind.split(", ")
+    return ResumableLoader(_Range(0, 23), batch_size=4, num_workers=2, backend=backend,
+                           last_batch=last_batch, shuffle_buffer=int(buffer),
+                           worker_init_fn=_cap_worker_one)
+
+
+@pytest.mark.parametrize("kind", ["process, keep, 0", "thread, drop, 4", "make_resumable"])
+def test_a_plain_stream_cut_short_in_one_worker_is_refused_not_thinned(kind: str) -> None:
+    """Worker 1's copy of a plain stream ends at 12 of 23 past the same first samples: it took
+    every 2nd sample, so 13, 15, ..., 21 were lost in every epoch, in silence (18 of 23
+    delivered). The slots' ends are compared: each must end within one stride of the others."""
+    loader = _capped_loader(kind)
+    with pytest.raises(ValueError, match=r"stream ends earlier in worker slot 1 than in slot 0 "
+                                         r"\(epoch 0\): slot 1's copy had no sample at stream "
+                                         r"position 1[13], while slot 0 read position .*"
+                                         r"worker_init_fn that changes the stream"):
+        list(loader)
+    loader.close()
+
+
+def test_a_plain_stream_cut_short_in_one_worker_is_refused_on_resume() -> None:
+    """A state saved mid-epoch by workers that read one stream, resumed where worker 1's
+    copy ends early, is refused as the resumed slots read on."""
+    whole = ResumableLoader(_Range(0, 23), batch_size=4, num_workers=2)
+    batches = iter(whole)
+    next(batches)
+    state = whole.state_dict()
+    whole.close()
+    capped = ResumableLoader(_Range(0, 23), batch_size=4, num_workers=2,
+                             worker_init_fn=_cap_worker_one)
+    capped.load_state_dict(state)
+    with pytest.raises(ValueError, match="stream ends earlier in worker slot 1 than in slot 0"):
+        list(capped)
+    capped.close()
 
 
 def test_worker_init_fn_opens_a_resource_on_the_workers_copy_of_a_plain_stream() -> None:
