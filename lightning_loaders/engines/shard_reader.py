@@ -59,7 +59,10 @@ class SlotReader:
     first (``at_end`` reads it ahead). Those are read under a seeding keyed by their place in
     the slot's stream (``seeded_apart``): a window's samples under the window's seeding, a
     batch's first sample under its own, the rest of the batch under the batch's. A sample
-    then draws the same whichever fetch reads it, so a resume anywhere is exact.
+    then draws the same whichever fetch reads it, so a resume anywhere is exact. After a
+    window's read the RNGs are seeded again as the batch's fetch seeded them, so what the
+    fetch draws itself (a ``collate_fn``) does not depend on whether it read a window (a
+    reader opened to resume reads its first window in the batch's fetch).
     """
 
     def __init__(self, source: ShardedSource[Any], pieces: tuple[Piece, ...], start: Cursor,
@@ -184,7 +187,8 @@ class SlotReader:
         """Read the next window and permute it; ``False`` at the end of the stream."""
         self._window_start = (self._emitted, self._position())
         index = self._emitted // self._window
-        with seeded_apart(self._key, index, _FILL_SALT) if self._apart else nullcontext():
+        apart = seeded_apart(self._key, index, _FILL_SALT, reseed=True)
+        with apart if self._apart else nullcontext():
             samples = self._read(self._window)
         self._taken = 0
         self._buffer = samples
