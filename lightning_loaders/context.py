@@ -10,8 +10,10 @@ process (``num_workers=0``) they are re-seeded after the batch from a value draw
 before it, so the training loop's own random streams stay functions of its seed
 (``seed_everything``), not of the loader's. Worker
 *threads* (``backend="thread"``) share the process's global RNGs with each other and with the
-training loop, so they fetch with them untouched: per-batch seeding could not be reproducible
-there; per-sample randomness comes from ``sample_rng()``, identical under every backend.
+training loop, so they fetch map-style batches with them untouched: per-sample randomness
+comes from ``sample_rng()``, identical under every backend. A fetch from an iterable source
+that seeks and may draw holds them instead (``rng_turn``: one thread at a time), seeded as in
+a worker process.
 
 The current sample and worker are per thread: each worker thread sees its own.
 """
@@ -19,6 +21,7 @@ The current sample and worker are per thread: each worker thread sees its own.
 from __future__ import annotations
 
 import functools
+import os
 import random
 import threading
 from collections.abc import Callable, Iterator, Sequence, Sized
@@ -145,9 +148,26 @@ class _Current(threading.local):
     skipped: int = 0
     worker: WorkerInfo | None = None
     seeding: int | None = None  # the key of the innermost ``seeded_global_rngs`` block running
+    turn: bool = False  # a worker thread holding the global RNGs for a fetch (``rng_turn``)
 
 
 _current = _Current()
+_RNG_LOCK = threading.RLock()  # held while the global RNGs serve one reader (threads share them)
+
+
+def _new_rng_lock() -> None:
+    """In a forked child, where the thread that held the lock may not exist: a free one."""
+    global _RNG_LOCK
+    _RNG_LOCK = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_rng_lock)
+
+
+def rng_lock() -> threading.RLock:
+    """The process-wide lock held while the global RNGs are in the states of one reader (a
+    shard's own, ``sources.rngs``, or a worker thread's fetch, ``rng_turn``)."""
+    return _RNG_LOCK
 
 
 def sample_context() -> SampleContext:
@@ -258,9 +278,10 @@ def seeded_apart(*key: int, reseed: bool = False) -> Iterator[None]:
     window's samples). Inside a fetch's seeding (``seeded_fetch``) they are left afterwards
     as the block left them or, with ``reseed``, seeded again as the fetch seeded them (for a
     fetch that drew nothing before the block); outside one the caller's are put back. Nothing
-    happens in a worker thread, whose RNGs ``seeded_fetch`` leaves alone too."""
+    happens in a worker thread outside an ``rng_turn``, whose RNGs ``seeded_fetch`` leaves
+    alone too."""
     info = _current.worker
-    if info is not None and info.backend == "thread":
+    if info is not None and info.backend == "thread" and not _current.turn:
         yield
         return
     again = reseeder()
@@ -278,12 +299,33 @@ def _seed(base: int) -> None:
 
 
 def seeded_fetch(*key: int) -> AbstractContextManager[None]:
-    """The global RNGs seeded for one batch fetch: left seeded in a worker process, continued
-    (see ``seeded_global_rngs``) in the main process, whose RNGs are the training loop's;
-    untouched in a worker thread, whose RNGs are shared with the other threads (see the module
-    docstring)."""
+    """The global RNGs seeded for one batch fetch: left seeded in a worker process and in a
+    worker thread's ``rng_turn`` (which puts the caller's back), continued (see
+    ``seeded_global_rngs``) in the main process, whose RNGs are the training loop's;
+    untouched in a worker thread otherwise, whose RNGs are shared with the other threads (see
+    the module docstring)."""
     info = _current.worker
-    if info is not None and info.backend == "thread":
+    if info is not None and info.backend == "thread" and not _current.turn:
         return nullcontext()
-    in_worker = torch.utils.data.get_worker_info() is not None
+    in_worker = _current.turn or torch.utils.data.get_worker_info() is not None
     return seeded_global_rngs(*key, afterwards="leave" if in_worker else "continue")
+
+
+@contextmanager
+def rng_turn() -> Iterator[None]:
+    """Run a fetch that may draw from the global RNGs on a worker thread as a worker process
+    runs it: holding them (``rng_lock``: threads fetch one at a time), so ``seeded_fetch`` and
+    ``seeded_apart`` seed them as they do there, and the caller's states put back afterwards.
+    Anywhere else (a process, a turn already held) it does nothing."""
+    info = _current.worker
+    if info is None or info.backend != "thread" or _current.turn:
+        yield
+        return
+    with _RNG_LOCK:
+        saved = global_rng_states()
+        _current.turn = True
+        try:
+            yield
+        finally:
+            _current.turn = False
+            set_global_rng_states(saved)

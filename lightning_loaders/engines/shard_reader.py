@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from lightning_loaders.context import seeded_apart, seeded_fetch
+from lightning_loaders.context import rng_turn, seeded_apart, seeded_fetch
 from lightning_loaders.engines.transport import worker_collate
 from lightning_loaders.errors import SampleFetchError, fetch_error
 from lightning_loaders.hashing import mix64
@@ -355,6 +355,10 @@ class SlotFetcher(Dataset[Any]):
     resume, a request routed elsewhere) reopens the reader from the request's start cursor.
     A ``PartRequest`` is read from canonical partitions the same way: a reader per partition
     is kept in the worker and continued when the next request starts where it stopped.
+
+    A source that seeks and may draw from the global RNGs is read under each batch's seeding
+    of them; on a worker thread each request is answered in an ``rng_turn`` (one thread at a
+    time), so its draws are those of a worker process.
     """
 
     def __init__(self, source: ShardedSource[Any], config: PlanConfig, slots: int, window: int,
@@ -366,6 +370,7 @@ class SlotFetcher(Dataset[Any]):
         self._partitions: dict[int, tuple[SlotReader, int]] = {}  # reader, next sample
         self._source_epoch: int | None = None
         self._shares_source = False
+        self._turns = source.seeks and not source.rng_free  # draws under each batch's seeding
 
     def thread_copy(self) -> SlotFetcher:
         """A copy for one worker thread: its own open readers (as a worker process has), the
@@ -391,6 +396,10 @@ class SlotFetcher(Dataset[Any]):
         return mine
 
     def __getitem__(self, request: SlotRequest | PartRequest) -> Delivered | SlotEnd:
+        with rng_turn() if self._turns else nullcontext():
+            return self._answer(request)
+
+    def _answer(self, request: SlotRequest | PartRequest) -> Delivered | SlotEnd:
         if isinstance(request, PartRequest):
             return self._partition_batch(request)
         if request.start is None:

@@ -173,7 +173,7 @@ class ResumableIterableLoader(ResumableLoader):
         self.last_batch: LastBatch = resolve_last_batch(options.last_batch, options.drop_last)
         self._take_options(dataset, options, drop_last=self.last_batch == "drop",
                            process_wide=_process_wide(dataset),
-                           turns=not isinstance(dataset, ShardedSource) or dataset.own_rngs)
+                           turns=not isinstance(dataset, ShardedSource) or not dataset.rng_free)
         shuffle, shuffle_buffer = options.shuffle, options.shuffle_buffer
         if options.on_error != "raise":
             raise ValueError(f"on_error={options.on_error!r} is not supported for iterable "
@@ -487,8 +487,8 @@ def _process_wide(dataset: Any) -> str | None:
     """What reading ``dataset`` needs of state the whole process shares, which threads could
     not give each worker (``None``: nothing): the global RNGs and environment a plain stream
     is opened under, the global-RNG states of their own a source's shards are read under
-    (``ShardedSource.own_rngs``), or each batch's seeding of the global RNGs, which worker
-    threads leave alone, for a source that may draw from them as it seeks and reads."""
+    (``ShardedSource.own_rngs``), or each batch's seeding of the global RNGs, which a worker
+    thread holds for a source that may draw from them as it seeks and reads (``rng_turn``)."""
     if not isinstance(dataset, ShardedSource):
         return ("a plain IterableDataset's stream is opened under the global RNGs and the "
                 "environment (RANK, WORLD_SIZE), which threads share with the training loop")
@@ -499,7 +499,7 @@ def _process_wide(dataset: Any) -> str | None:
                 "which threads share")
     if not dataset.rng_free:
         return (f"{name} may draw from the global RNGs as it reads (it is not rng_free): "
-                "each batch's seeding of them, which worker threads leave alone, makes its "
-                "draws the same for every num_workers and resume")
+                "it reads under each batch's seeding of them, which makes its draws the same "
+                "for every num_workers, backend and resume, and which threads share")
     return None
 

@@ -11,8 +11,6 @@ and of how far it was read, wherever it is read.
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -20,6 +18,7 @@ from lightning_loaders.context import (
     RngStates,
     global_rng_states,
     reseeder,
+    rng_lock,
     seeded_global_rngs,
     set_global_rng_states,
 )
@@ -28,22 +27,11 @@ __all__ = ["ReadRngs", "opened_under"]
 
 T = TypeVar("T")
 
-_RNG_LOCK = threading.RLock()  # held while a shard's RNG states are in place (threads share them)
-
-
-def _new_rng_lock() -> None:
-    """In a forked child, where the thread that held the lock may not exist: a free one."""
-    global _RNG_LOCK
-    _RNG_LOCK = threading.RLock()
-
-
-os.register_at_fork(after_in_child=_new_rng_lock)
-
 
 def opened_under(open_shard: Callable[[], T], *key: int) -> tuple[T, ReadRngs]:
     """``open_shard()`` run with the global RNGs seeded from ``key`` (the caller's are put back
     afterwards), and the RNG states it left, for its reads."""
-    with _RNG_LOCK, seeded_global_rngs(*key):
+    with rng_lock(), seeded_global_rngs(*key):
         opened = open_shard()
         rngs = ReadRngs(global_rng_states())
     return opened, rngs
@@ -71,13 +59,13 @@ class ReadRngs:
 
     def __enter__(self) -> None:
         if self._depth == 0:
-            _RNG_LOCK.acquire()
+            rng_lock().acquire()
             try:
                 self._reseed = reseeder()
                 self._saved = global_rng_states() if self._reseed is None else None
                 set_global_rng_states(self._states)
             except BaseException:
-                _RNG_LOCK.release()
+                rng_lock().release()
                 raise
         self._depth += 1
 
@@ -94,4 +82,4 @@ class ReadRngs:
                 set_global_rng_states(self._saved)
         finally:
             self._saved, self._reseed = None, None
-            _RNG_LOCK.release()
+            rng_lock().release()

@@ -25,7 +25,8 @@ to read: what it draws is a function of the shard and of how far it was read, so
 stream wherever it is read and after any resume. A source that ``seeks`` (a byte offset, an
 index: the file sources, ``SequenceSource``, ``GeneratorSource(seekable=True)``) skips the draws
 of the samples before ``start``, so carried states would not come back after a resume: it is
-read under each batch's seeding (a sample read before its batch's fetch, for a shuffle window or
+read under each batch's seeding (a worker thread holds the global RNGs for it, one thread at a
+time, as ``context.rng_turn`` says; a sample read before its batch's fetch, for a shuffle window or
 ahead of a batch to learn where a stream of unknown length ends, under a seeding keyed by its
 place in the slot's stream: ``engines.shard_reader``), and the order of its rows must not come
 from the global RNGs (derive it from the shard: a seekable ``fn`` must find ``start`` in it

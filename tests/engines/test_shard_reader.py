@@ -131,10 +131,10 @@ def _collate_drawing(samples: list[Any]) -> list[Any]:
 
 
 def _drawing_loader(source: ShardedSource[Any], workers: int, policy: str, window: int,
-                    partitions: int | None = None) -> ResumableLoader:
+                    partitions: int | None = None, backend: str = "process") -> ResumableLoader:
     return ResumableLoader(source, batch_size=2, num_workers=workers, last_batch=policy,
                            shuffle_buffer=window, partitions=partitions, seed=3,
-                           collate_fn=_collate_drawing)
+                           backend=backend, collate_fn=_collate_drawing)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -178,6 +178,25 @@ def test_a_seeking_source_draws_the_same_under_partitions_for_any_workers(window
     assert runs[0] == runs[1]
     assert len({sample[1] for batches in runs[0] for batch in batches
                 for sample in batch[:-1]}) == 40
+
+
+@pytest.mark.parametrize("lengths", [None, DRAWING_LENGTHS])
+@pytest.mark.parametrize("window", [1, 3])
+def test_a_seeking_source_that_draws_reads_the_same_on_threads_as_in_processes(
+        lengths, window) -> None:
+    """A seeking source draws under each batch's seeding of the global RNGs, which worker
+    threads left alone: on threads it drew from the training process's RNGs, other values
+    in every run, and a resume after batch 1 diverged. A thread holds them for its fetch
+    (the warning says the threads read one at a time), seeded as a worker process seeds
+    them: samples, draws (the collate_fn's too) and every resume are those of processes."""
+    source = GeneratorSource(_drawing, DRAWING_SHARDS, lengths=lengths, seekable=True)
+
+    def make(backend: str) -> ResumableLoader:
+        return _drawing_loader(source, 2, "keep", window, backend=backend)
+
+    with pytest.warns(UserWarning, match="worker threads: GeneratorSource .*one at a time"):
+        threads = check_resume_at_every_step(lambda: make("thread"), 2)
+    assert threads == run_epochs(make("process"), range(2))
 
 
 def test_a_resumed_shuffle_window_leaves_the_training_loops_rngs_alone() -> None:

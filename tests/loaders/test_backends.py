@@ -690,9 +690,9 @@ SOURCES = {  # a source, and whether auto must take processes for it at once
 def test_auto_takes_processes_for_a_source_that_may_draw_from_the_global_rngs(
         tmp_path: Path, name: str) -> None:
     """A source that may draw from the global RNGs (not ``rng_free``) reads under RNG states
-    of its own (threads would take turns at them) or, when it seeks, under each batch's
-    seeding (which threads leave alone: its draws would change with the backend): ``auto``
-    takes processes for it at once, and probes threads only for a source that never draws."""
+    of its own or, when it seeks, under each batch's seeding (threads would take turns at
+    them): ``auto`` takes processes for it at once, and probes threads only for a source that
+    never draws."""
     make, processes = SOURCES[name]
     loader = ResumableLoader(make(tmp_path), batch_size=2, num_workers=2, backend="auto")
     assert (loader.backend_in_use == "process") is processes  # chosen before any probe
@@ -705,12 +705,15 @@ class _Stream(IterableDataset[int]):
         return iter(range(8))
 
 
-def test_threads_over_data_read_under_rng_states_of_its_own_are_warned_about() -> None:
-    """Threads share the global RNGs with the training loop: a plain stream or a source that
-    reads under RNG states of its own takes them while a thread reads (one at a time), so the
-    training loop's draws meanwhile are lost; the warning names the way out."""
+def test_threads_over_data_read_under_rng_states_of_its_own_are_warned_about(
+        tmp_path: Path) -> None:
+    """Threads share the global RNGs with the training loop: a plain stream, a source that
+    reads under RNG states of its own or one that seeks and may draw (under each batch's
+    seeding) takes them while a thread reads (one at a time), so the training loop's draws
+    meanwhile are lost; the warning names the way out."""
     drawing = GeneratorSource(_shard, range(4), lengths=[10] * 4)
-    for dataset in (_Stream(), drawing):
+    seeking = SOURCES["records, a decode"][0](tmp_path)
+    for dataset in (_Stream(), drawing, seeking):
         with pytest.warns(UserWarning, match="worker threads: .*training loop draws .*"
                                              "backend='process'"):
             ResumableLoader(dataset, batch_size=2, num_workers=2, backend="thread").close()

@@ -4,6 +4,7 @@
 import gzip
 import os
 import pickle
+import random
 import subprocess
 import sys
 import tarfile
@@ -403,6 +404,30 @@ def test_resume_at_every_step_is_exact(workers, lengths, options, shards) -> Non
     full = check_resume_at_every_step(make, epochs=2, key=ids)
     assert all(sorted(i for batch in epoch for i in batch) == list(range(TOTAL))
                for epoch in full)
+
+
+def decode_augmented(sample: dict) -> dict[str, float]:
+    """``decode_id`` and a random augmentation drawn from the global RNGs."""
+    return {**decode_id(sample), "noise": random.random() + float(np.random.random())}
+
+
+@pytest.mark.parametrize("lengths", ["scan", None])
+def test_a_decode_that_draws_reads_the_same_on_threads_as_in_processes(lengths, shards) -> None:
+    """A decode drawing from the global RNGs drew, on worker threads, from the training
+    process's (other values in every run; a resume after batch 1 diverged); it draws what it
+    draws in worker processes, and every resume is exact."""
+    def make(backend: str) -> ResumableLoader:
+        return ResumableLoader(WebDatasetSource(shards, decode=decode_augmented,
+                                                lengths=lengths),
+                               batch_size=4, shuffle=True, seed=0, num_workers=2,
+                               backend=backend)
+
+    def key(batch: dict) -> list[tuple[int, float]]:
+        return list(zip(ids(batch), batch["noise"].tolist(), strict=True))
+
+    with pytest.warns(UserWarning, match="worker threads: WebDatasetSource"):
+        threads = check_resume_at_every_step(lambda: make("thread"), 2, key=key)
+    assert threads == run_epochs(make("process"), range(2), key=key)
 
 
 def test_unknown_lengths_save_each_readers_byte_offset(shards) -> None:
