@@ -8,7 +8,8 @@ pass a stale epoch, #21938):
 - a restored cursor continues, unless the trainer has moved to a later epoch than the one the
   cursor's epoch began under (its *owner*), or the state says its reader left that epoch for
   good (``abandoned``: a validation pass that stopped early, after which the live loader's
-  next ``iter()`` begins the next epoch);
+  next ``iter()`` begins the next epoch); one saved before its loader began the epoch reads
+  that epoch, even one with no batch (``last_batch='rollover'`` can leave an epoch none);
 - a restored cursor at its epoch's end stays exhausted (delivers nothing) when the trainer,
   after the restore, declares the very epoch the cursor's epoch began under: it is resuming that
   epoch, and may still be draining longer loaders beside this one
@@ -118,7 +119,8 @@ class EpochOwner:
                 raise
             self._declared_for = None
             if not trainer_moved_on(trainer, self._owner, self.epoch) and (
-                    self._has_rest() or still_draining(declared, self._owner)):
+                    self._has_rest() or still_draining(declared, self._owner)
+                    or self._not_begun(pending)):
                 return
         else:
             finished = self.epoch is None or not self._has_rest()
@@ -221,6 +223,12 @@ class EpochOwner:
 
     def _has_rest(self) -> bool:
         raise NotImplementedError
+
+    def _not_begun(self, state: LoaderState) -> bool:
+        """Whether a restored ``state`` is at the start of an epoch its loader had not begun
+        (saved before its first ``iter()``): that epoch is read next even when it has no batch,
+        as by that loader. ``False`` where a state cannot tell (the default)."""
+        return False
 
     def _start_epoch(self, epoch: int, rank: int, world_size: int) -> None:
         raise NotImplementedError

@@ -142,6 +142,11 @@ class IterableSchedule(EpochOwner):
     def _has_rest(self) -> bool:
         return not self.ended
 
+    def _not_begun(self, state: LoaderState) -> bool:
+        """At batch 0 and not ended: an epoch begun and known to have no batch is saved
+        ended, so this one is not begun (or has its batches still to read)."""
+        return not state.batches and not state.parts[SLOTS].get(_ENDED, False)
+
     def _start_epoch(self, epoch: int, rank: int, world_size: int) -> None:
         if self.canonical:
             self.partitions = self._partition_count()

@@ -378,6 +378,39 @@ def test_rollover_abandoned_on_2_ranks_begins_the_next_epoch_on_3_where_2_would(
     assert sorted(read) == sorted(_rollover_stream(2)[56:116])  # 2 ranks' epoch 0 ends at 56
 
 
+@pytest.mark.parametrize(("declared", "saved_world", "workers"),
+                         [(None, 4, 0), (None, 4, 2), (None, 2, 0), (4, 4, 0), (4, 2, 0)])
+def test_rollover_state_before_an_epoch_with_no_batch_resumes_in_that_epoch(
+        declared: int | None, saved_world: int, workers: int) -> None:
+    """60 samples on 4 ranks in batches of 20 (global batches of 80): epochs 0 and 4 have no
+    batch. The state of a loader not yet iterated (batch 0 of epoch 0, not ended) was resumed
+    as if epoch 0 had ended: the twin read epochs 1-4 as epochs 0-3. It reads epoch 0 first,
+    as the loader does (saved on 2 ranks too: as a loader on 4 ranks begins). After
+    ``set_epoch(4)`` before the save, the same epoch declared again kept the cursor already."""
+    first = declared or 0
+
+    def make(world: int = 4) -> ResumableIterableLoader:
+        loader = _rollover(1, world, workers, batch_size=20)
+        if declared is not None:
+            set_epoch(loader, declared)
+        return loader
+
+    def restored() -> ResumableIterableLoader:
+        loader = _rollover(1, 4, workers, batch_size=20)
+        loader.load_state_dict(checkpoint_roundtrip(state))
+        return loader
+
+    state = make(saved_world).state_dict()
+    live, twin = make(), restored()
+    expected = run_epochs(live, range(first, first + 5), key=flat)
+    assert [len(epoch) for epoch in expected] == [0, 1, 1, 1, 0]
+    assert run_epochs(twin, range(first, first + 5), key=flat) == expected
+    live.close()
+    twin.close()
+    if declared is None:  # and the twin's own states resume exactly
+        check_resume_at_every_step(restored, epochs=5, key=flat)
+
+
 def test_a_corrupted_rollover_origin_is_refused_on_load() -> None:
     loader = _rollover(0, 1)
     run_epochs(loader, [0])
