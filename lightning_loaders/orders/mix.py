@@ -310,12 +310,15 @@ class MixOrder:
         """Use ``weights`` from global ``step`` on, replacing the schedule from there.
 
         Call it at the same step on every rank with the same weights, with ``step`` no earlier
-        than the first step after every batch delivered (``next_step()``; in a Lightning
-        callback, ``trainer.global_step`` while the mixture's ``batch_size`` is the trainer's
-        global batch) and no earlier than the last change; ``None``: that first step. Under a
-        process group the ranks compare their weights, steps and ``next_step()`` (one
-        collective): out of order, ranks deliver different steps, so the first step is the
-        latest rank's, and a step one rank delivered is refused on every rank.
+        than the first step after every batch delivered (``next_step()``) and no earlier than
+        the last change; ``None`` (the usual call, from a Lightning callback too): that first
+        step. ``trainer.global_step`` is not that step in general: with ``in_order=False``,
+        batches delivered ahead put ``next_step()`` past it (2 workers: 7 at global step 5),
+        so it is refused; after a resume on another world size it counts other steps than
+        the mixture's ``batch_size``. Under a process group the ranks compare their weights,
+        steps and ``next_step()`` (one collective): out of order, ranks deliver different
+        steps, so the first step is the latest rank's, and a step one rank delivered is
+        refused on every rank.
         """
         if self.mode == "stop":
             raise ValueError("mode='stop' needs constant weights (see MixOrder); use "
