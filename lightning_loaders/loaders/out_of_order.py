@@ -166,9 +166,10 @@ def rank_entry(part: Any, rank: int, world_size: int, batches: int, end: int) ->
         raise StateMismatchError(
             f"corrupted loader state: the cursor says batches={batches}, but no rank's "
             f"entry in parts[{WINDOW!r}] has that frontier (the saving rank's must): {ranks!r}")
-    if len(ranks) != world_size:
-        if any(entry[1] or entry[0] != batches for entry in ranks):
-            raise StateMismatchError(_elastic_refusal(ranks, world_size, batches))
+    if len(ranks) != world_size:  # no plan of this loader's bounds another world size's
+        by_rank = [_ahead_of(entry, r, sys.maxsize) for r, entry in enumerate(ranks)]
+        if any(by_rank) or any(entry[0] != batches for entry in ranks):
+            raise StateMismatchError(_elastic_refusal(ranks, by_rank, world_size, batches))
         return [batches, []]
     entry = ranks[rank]
     if entry is None:
@@ -176,39 +177,42 @@ def rank_entry(part: Any, rank: int, world_size: int, batches: int, end: int) ->
             f"the out-of-order state holds no entry for rank {rank}: it was saved without a "
             "process group, on another rank; save with every rank calling state_dict() "
             "together (as Lightning does), or load each rank's own state")
-    ahead = None
-    if (isinstance(entry, list | tuple) and len(entry) == 2 and _is_batch(entry[0])
-            and 0 <= entry[0] <= end and isinstance(entry[1], list | tuple)):
-        ahead = _batches_of(entry[1], entry[0], end)
-    if ahead is None:
-        raise StateMismatchError(f"corrupted loader state: parts[{WINDOW!r}] entry {entry!r} "
-                                 f"of rank {rank} is not [frontier, [[start, stop) runs of "
-                                 f"batches past it, before {end}]]")
+    ahead = _ahead_of(entry, rank, end)
     return [entry[0], ahead]
 
 
-def _elastic_refusal(ranks: list[Any], world_size: int, batches: int) -> str:
-    """Why a state saved on ``len(ranks)`` ranks, some with batches delivered past the
-    cursor's frontier ``batches``, cannot resume on ``world_size``: another world size deals
-    the rest of the epoch anew from the frontier, and would deliver those batches again."""
-    ahead = []
-    for r, entry in enumerate(ranks):
-        numbers = _batches_of(entry[1], entry[0], sys.maxsize) if _is_batch(entry[0]) else None
-        if numbers is None:
-            raise StateMismatchError(f"corrupted loader state: parts[{WINDOW!r}] entry {entry!r}"
-                                     f" of rank {r} is not [frontier, [[start, stop) runs of "
-                                     "batches past it]]")
-        listed = ", ".join(str(start) if stop == start + 1 else f"{start}-{stop - 1}"
-                           for start, stop in _runs(numbers))
-        ahead.append(f"batch{'es' * (len(numbers) > 1)} {listed}" if numbers else "none")
+def _ahead_of(entry: Any, rank: int, end: int) -> list[int]:
+    """The batches a saved ``[frontier, runs]`` entry of ``rank`` holds past its frontier
+    (each before ``end``), its shape checked before anything reads it; a
+    ``StateMismatchError`` names a malformed one as corrupted."""
+    if (isinstance(entry, list | tuple) and len(entry) == 2 and _is_batch(entry[0])
+            and 0 <= entry[0] <= end and isinstance(entry[1], list | tuple)):
+        ahead = _batches_of(entry[1], entry[0], end)
+        if ahead is not None:
+            return ahead
+    before = "" if end == sys.maxsize else f", before {end}"
+    raise StateMismatchError(f"corrupted loader state: parts[{WINDOW!r}] entry {entry!r} of "
+                             f"rank {rank} is not [frontier, [[start, stop) runs of batches "
+                             f"past it{before}]]")
+
+
+def _elastic_refusal(ranks: list[Any], ahead: list[list[int]], world_size: int,
+                     batches: int) -> str:
+    """Why a state saved on ``len(ranks)`` ranks, some with batches (``ahead``, by rank)
+    delivered past the cursor's frontier ``batches``, cannot resume on ``world_size``: another
+    world size deals the rest of the epoch anew from the frontier, and would deliver those
+    batches again."""
+    shown = [f"batch{'es' * (len(numbers) > 1)} " + ", ".join(
+        str(start) if stop == start + 1 else f"{start}-{stop - 1}"
+        for start, stop in _runs(numbers)) if numbers else "none" for numbers in ahead]
     saved = f"{len(ranks)} rank{'s' * (len(ranks) > 1)}"
     if all(entry == ranks[0] for entry in ranks):  # the saving rank's frontier is the cursor
         where = "" if len(ranks) == 1 else "on every rank, "
-        why = (f"{where}{ahead[0]} had been delivered ahead of the frontier, batch {batches} "
+        why = (f"{where}{shown[0]} had been delivered ahead of the frontier, batch {batches} "
                "(out of order)")
     else:
-        held = "; ".join(f"rank {r}: frontier {entry[0]}, ahead {shown}"
-                         for r, (entry, shown) in enumerate(zip(ranks, ahead, strict=True)))
+        held = "; ".join(f"rank {r}: frontier {entry[0]}, ahead {listed}"
+                         for r, (entry, listed) in enumerate(zip(ranks, shown, strict=True)))
         why = f"its ranks had delivered different batches ({held})"
     return (f"an out-of-order state saved on {saved} cannot resume on {world_size}: {why}; "
             "another world size deals the rest of the epoch anew from the frontier, and would "

@@ -252,6 +252,25 @@ def test_a_refused_world_size_names_the_batches_delivered_ahead_or_each_ranks_wi
         _make(gate, rank=0, world=2).load_state_dict(corrupted)
 
 
+def test_a_malformed_entry_of_a_gathered_window_is_named_as_corrupted(tmp_path: Path) -> None:
+    """A 2-rank window with rank 1's entry 7, [b], 'x' or [b, None], loaded on 1 rank, raised
+    TypeError, IndexError or was accepted ([b, None] beside an entry with nothing ahead): each
+    entry's shape is checked before it is read, on another world size as on the same."""
+    gate = tmp_path / "gate"
+    states: list = []
+    _run(_make(gate), gate, states)
+    ahead = next(s for s in states if s["parts"]["window"]["ranks"][0][1])
+    b = ahead["batches"]
+    for bad in (7, [b], "x", [b, None], [b, 5], [-1, []]):
+        for first in (ahead["parts"]["window"]["ranks"][0], [b, []]):
+            gathered = {**ahead, "parts": {**ahead["parts"], "window": {"ranks": [first, bad]}}}
+            for rank, world in ((0, 1), (1, 2)):
+                with pytest.raises(StateMismatchError, match=re.escape(
+                        f"corrupted loader state: parts['window'] entry {bad!r} of rank 1 is "
+                        "not [frontier, [[start, stop) runs of batches past it")):
+                    _make(gate, rank=rank, world=world).load_state_dict(gathered)
+
+
 def test_a_window_from_another_dataset_or_configuration_names_each_mismatch(tmp_path: Path
                                                                             ) -> None:
     """As for an in-order state, and before the window is read: against this loader's
