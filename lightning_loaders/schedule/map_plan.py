@@ -8,12 +8,14 @@ epoch, whatever the world size was: that prefix is what elastic resume continues
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 import numpy as np
 
-__all__ = ["LAST_BATCH_POLICIES", "EpochPlan", "LastBatch", "keep_fix", "rollover_span"]
+__all__ = ["LAST_BATCH_POLICIES", "EpochPlan", "LastBatch", "keep_fix", "keep_refusal",
+           "rollover_span"]
 
 LastBatch = Literal["keep", "drop", "pad", "rollover"]
 LAST_BATCH_POLICIES: tuple[str, ...] = get_args(LastBatch)
@@ -24,6 +26,45 @@ def keep_fix(size: int) -> str:
     (ending with a comma and a space)."""
     return ("a batch_size >= 2, " if size == 1 else
             "a batch_size that leaves at least one sample per rank after the full batches, ")
+
+
+def keep_refusal(world_size: int, batch_size: int, left: int, total: int, rounds: int,
+                 tail: int, *, merged: bool, resumed: bool) -> str:
+    """Why ``last_batch="keep"`` cannot deal ``left`` samples of an epoch of ``total``
+    (``resumed``: the rest of one, at an elastic resume) to ``world_size`` ranks: ``rounds``
+    full rounds (a batch per rank) leave ``tail`` samples, fewer than the ranks, with none to
+    borrow (batches of 1, or no full round). It names only fixes that deal them: the world
+    sizes that deal both these samples and a whole epoch (at a resume, the next one)."""
+    what = (f"the {_count(left, 'sample')} left" if resumed else
+            f"the epoch's {_count(total, 'sample')}")
+    if rounds:
+        what += (f" ({_count(rounds, 'full round')} of {world_size} batches "
+                 f"leave{'s' * (rounds == 1)} {tail})")
+    what += f" with batch_size={batch_size}"
+    if batch_size == 1 and not merged:  # one sample per batch: a world size must divide both
+        common = math.gcd(left, total)
+        sizes = sorted({d for n in range(1, math.isqrt(common) + 1) if not common % n
+                        for d in (n, common // n)})
+        listed = " or ".join(filter(None, [", ".join(map(str, sizes[:-1])), str(sizes[-1])]))
+        both = f"both the {_count(left, 'sample')} left and " if resumed else ""
+        ranks = (f"a world size dividing {both}the epoch's {total} ({listed} "
+                 f"rank{'s' * (len(sizes) > 1)})")
+    else:  # batches of 2 borrow from a full round, evaluation merges: any number up to ``left``
+        ranks = f"at most {_count(left, 'rank')}"
+    if resumed:
+        fix = f"resume on {ranks}, or from a checkpoint at an epoch's end"
+    elif rounds:  # batches of 1 after full rounds
+        fix = (f"use last_batch='pad' or 'drop', {keep_fix(batch_size)}evaluation=True, or "
+               f"{ranks}")
+    else:  # fewer samples than ranks: no batch size, merge or 'drop' helps
+        fix = f"use last_batch='pad', or {ranks}"
+    return (f"last_batch='keep' cannot give each of {world_size} ranks a non-empty last batch "
+            f"from {what}; {fix}")
+
+
+def _count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1."""
+    return f"{n} {noun}{'s' * (n != 1)}"
 
 
 @dataclass(frozen=True)
@@ -58,20 +99,11 @@ class EpochPlan:
             raise ValueError(f"need 0 <= start <= stop, got start={self.start}, stop={self.stop}")
         if (self.last_batch == "keep" and self._short_tail() and not self._can_rebalance()
                 and not self._merges_tail()):
-            samples, g = self.stop - self.start, self.global_batch_size
-            if samples < g:
-                what, ranks = f"{samples} samples", f"at most {samples} ranks"
-            else:  # batch_size=1: the full global batches cannot give one sample per rank
-                what, ranks = (f"the {samples % g} samples left after {samples // g} full "
-                               "global batches"), ""
-            if self.merge_short_tail:
-                fix = f"evaluate on {ranks}"
-            else:
-                fix = f"use last_batch='pad' or 'drop', {keep_fix(self.batch_size)}or {ranks}"
-            raise ValueError(
-                f"last_batch='keep' cannot give each of {self.world_size} ranks a non-empty last "
-                f"batch from {what} with batch_size={self.batch_size}; {fix}".removesuffix(", or ")
-            )
+            samples = self.stop - self.start
+            raise ValueError(keep_refusal(
+                self.world_size, self.batch_size, samples, self.stop,
+                *divmod(samples, self.global_batch_size), merged=self.merge_short_tail,
+                resumed=self.start > 0))
 
     @property
     def global_batch_size(self) -> int:

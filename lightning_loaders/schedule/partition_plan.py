@@ -26,10 +26,9 @@ into its item, whose rest is dealt as a short item.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
-from lightning_loaders.schedule.map_plan import keep_fix
+from lightning_loaders.schedule.map_plan import keep_refusal
 from lightning_loaders.schedule.shard_plan import Piece, PlanConfig, epoch_pieces, split
 
 __all__ = ["Partitions", "Segment", "advanced", "deal", "partition_epoch", "uses_partitions"]
@@ -124,8 +123,10 @@ def deal(config: PlanConfig, epoch: int, partitions: int, world_size: int,
             ranks[r][-1] += segment
         return tuple(tuple(batches) for batches in ranks)
     else:
-        raise ValueError(_keep_refusal(plan, world_size, first, skip, rounds, samples,
-                                       config.merge_short_tail))
+        total = sum(plan.lengths)  # every item before ``first`` is a full one
+        raise ValueError(keep_refusal(world_size, size, total - first * size - skip, total,
+                                      rounds, samples, merged=config.merge_short_tail,
+                                      resumed=bool(first)))
     for r, batch in enumerate(_cut(tail, sizes)):
         ranks[r % world_size].append(batch)
     return tuple(tuple(batches) for batches in ranks)
@@ -141,44 +142,6 @@ def advanced(config: PlanConfig, epoch: int, partitions: int, first: int, skip: 
         skip -= plan.item(first)[2]
         first += 1
     return first, skip if first < plan.items else 0
-
-
-def _keep_refusal(plan: Partitions, world_size: int, first: int, skip: int, rounds: int,
-                  tail: int, merged: bool) -> str:
-    """Why ``"keep"`` cannot deal the samples from item ``first`` on (``skip`` into it) to
-    ``world_size`` ranks: ``rounds`` full rounds leave ``tail`` samples, fewer than the ranks,
-    with none to borrow (batches of 1, or no full round). It names the world sizes that can
-    deal both these samples and a whole epoch (at a resume, the next one)."""
-    size, total = plan.batch_size, sum(plan.lengths)
-    left = total - first * size - skip  # every item before ``first`` is a full one
-    what = (f"the {_count(left, 'sample')} left" if first else
-            f"the epoch's {_count(total, 'sample')}")
-    if rounds:
-        what += f" ({_count(rounds, 'full round')} of {world_size} batches leave {tail})"
-    what += f" with batch_size={size}"
-    if size == 1 and not merged:  # one sample per batch: a world size must divide both
-        common = math.gcd(left, total)
-        sizes = sorted({d for n in range(1, math.isqrt(common) + 1) if not common % n
-                        for d in (n, common // n)})
-        listed = " or ".join(filter(None, [", ".join(map(str, sizes[:-1])), str(sizes[-1])]))
-        both = f"both the {_count(left, 'sample')} left and " if first else ""
-        ranks = (f"a world size dividing {both}the epoch's {total} ({listed} "
-                 f"rank{'s' * (len(sizes) > 1)})")
-    else:  # batches of 2 borrow from a full round, evaluation merges: any number up to ``left``
-        ranks = f"at most {_count(left, 'rank')}"
-    if first:
-        fix = f"resume on {ranks}, or from a checkpoint at an epoch's end"
-    elif rounds:  # batches of 1 after full rounds
-        fix = f"use last_batch='pad' or 'drop', {keep_fix(size)}evaluation=True, or {ranks}"
-    else:  # fewer samples than ranks: no batch size, merge or 'drop' helps
-        fix = f"use last_batch='pad', or {ranks}"
-    return (f"last_batch='keep' cannot give each of {world_size} ranks a non-empty last batch "
-            f"from {what}; {fix}")
-
-
-def _count(n: int, noun: str) -> str:
-    """``n`` and ``noun``, plural unless ``n`` is 1."""
-    return f"{n} {noun}{'s' * (n != 1)}"
 
 
 def _padding(plan: Partitions, count: int) -> list[Segment]:

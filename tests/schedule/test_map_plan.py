@@ -1,4 +1,6 @@
+import re
 from collections import Counter
+from itertools import product
 
 import pytest
 from hypothesis import given, settings
@@ -99,6 +101,79 @@ def test_keep_refuses_what_would_need_an_empty_batch() -> None:
         EpochPlan(0, 3, 1, 2, "keep")
     with pytest.raises(ValueError, match="non-empty"):
         EpochPlan(0, 3, 4, 4, "keep")
+
+
+def _deals(start: int, n: int, size: int, world: int, merged: bool = False,
+           policy: str = "keep") -> bool:
+    """Whether a plan of ``[start, n)`` is accepted and has a batch (what a loader needs)."""
+    try:
+        plan = EpochPlan(start, n, size, world, policy, merge_short_tail=merged)  # type: ignore[arg-type]
+    except ValueError:
+        return False
+    return plan.num_batches > 0
+
+
+def test_a_keep_refusal_names_exactly_the_fixes_that_deal_the_epoch() -> None:
+    """3 samples on 4 ranks suggested 'drop' (no batch left) and a batch_size >= 2 (refused
+    again), and 3 on 2 ranks in batches of 1 'the 1 samples left after 1 full global batches'
+    with no world size. Every refusal (1-24 samples, batches of 1-3, 1-8 ranks, evaluation or
+    not, from every start) names the samples, and a fix is named if and only if it deals them:
+    'pad', 'drop', a batch_size >= 2, evaluation=True, and the world sizes, each one tried
+    (at a resume: those that deal both the rest and the next epoch)."""
+    refused = 0
+    for n, size, world, merged in product(range(1, 25), (1, 2, 3), range(1, 9), (False, True)):
+        for start in range(n):
+            try:
+                EpochPlan(start, n, size, world, "keep", merge_short_tail=merged)
+                continue
+            except ValueError as exc:
+                message = str(exc)
+            refused += 1
+            what = f"the {n - start} samples? left" if start else f"the epoch's {n} samples?"
+            assert re.search(f"from {what}( \\(.*\\))? with batch_size={size};", message), message
+            named = re.search(r"(?:at most (\d+) ranks?|a world size dividing .*\(([\d, or]+) "
+                              r"ranks?\))(, or from a checkpoint at an epoch's end)?$", message)
+            assert named, message
+            sizes = (set(range(1, int(named[1]) + 1)) if named[1] else
+                     {int(w) for w in re.findall(r"\d+", named[2])})
+            works = {w for w in range(1, n + 3)
+                     if _deals(start, n, size, w, merged) and _deals(0, n, size, w, merged)}
+            assert sizes == works, message
+            assert not re.search(r"\b1 (ranks|samples|full rounds)\b", message), message
+            if start:
+                assert "; resume on " in message and named[3], message
+                assert not re.search("pad|drop|evaluation|batch_size >=", message), message
+                continue
+            fixes = {"'pad'": _deals(0, n, size, world, merged, "pad"),
+                     "'drop'": _deals(0, n, size, world, merged, "drop"),
+                     "a batch_size >= 2": all(_deals(0, n, other, world, merged)
+                                              for other in range(2, n + 2)),
+                     "evaluation=True": _deals(0, n, size, world, True)}
+            for fix, deals in fixes.items():
+                assert (fix in message) == deals, (fix, message)
+    assert refused > 500
+
+
+def test_fewer_samples_than_ranks_or_one_left_name_the_world_sizes_that_deal_them() -> None:
+    """The reviewer's cases: 3 samples on 4 ranks (batches of 1 or 2, evaluation) and on 2
+    ranks in batches of 1."""
+    for size, merged, ranks in ((1, False, "a world size dividing the epoch's 3 (1 or 3 ranks)"),
+                                (2, False, "at most 3 ranks"), (1, True, "at most 3 ranks")):
+        with pytest.raises(ValueError, match=re.escape(
+                "last_batch='keep' cannot give each of 4 ranks a non-empty last batch from the "
+                f"epoch's 3 samples with batch_size={size}; use last_batch='pad', or {ranks}")
+                + "$"):
+            EpochPlan(0, 3, size, 4, "keep", merge_short_tail=merged)
+    with pytest.raises(ValueError, match=re.escape(
+            "from the epoch's 3 samples (1 full round of 2 batches leaves 1) with batch_size=1; "
+            "use last_batch='pad' or 'drop', a batch_size >= 2, evaluation=True, or a world "
+            "size dividing the epoch's 3 (1 or 3 ranks)") + "$"):
+        EpochPlan(0, 3, 1, 2, "keep")
+    with pytest.raises(ValueError, match=re.escape(
+            "from the 16 samples left (5 full rounds of 3 batches leave 1) with batch_size=1; "
+            "resume on a world size dividing both the 16 samples left and the epoch's 18 (1 "
+            "or 2 ranks), or from a checkpoint at an epoch's end") + "$"):
+        EpochPlan(2, 18, 1, 3, "keep")
 
 
 def test_pad_wraps_to_the_start_of_the_epoch() -> None:
