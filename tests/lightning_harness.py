@@ -74,19 +74,20 @@ class EvaluatingModule(RecordingModule):
 
 
 def fetched_cases(cases: Mapping[str, Callable[[], Any]],
-                  key: Callable[[Any], list[Any]] = default_key) -> dict[str, Any]:
+                  key: Callable[[Any], list[Any]] = default_key,
+                  read: Callable[[Any], Iterable[Any]] = through_lightning) -> dict[str, Any]:
     """One rank's reading of each case's loader under a process group: built, two epochs read
-    by ``through_lightning`` (each ``iter()`` begins the next epoch), closed, then a barrier. Per
-    case ``{"epochs": [[...], [...]]}`` (each epoch's samples, as ``key`` lists a batch's),
-    with ``"error": "<type>: <message>"`` when it raised (after the epochs it read)."""
+    by ``read`` (``through_lightning``, else ``iter`` for a loop of the user's; each ``iter()``
+    begins the next epoch), closed, then a barrier. Per case ``{"epochs": [[...], [...]]}``
+    (each epoch's samples, as ``key`` lists a batch's), with ``"error": "<type>: <message>"``
+    when it raised (after the epochs it read)."""
     results: dict[str, Any] = {}
     for name, build in cases.items():
         loader = build()
         epochs: list[list[Any]] = []
         try:
             for _ in range(2):
-                epochs.append([item for batch in through_lightning(loader)
-                               for item in key(batch)])
+                epochs.append([item for batch in read(loader) for item in key(batch)])
             results[name] = {"epochs": epochs}
         except Exception as exc:  # reported to the launching test
             results[name] = {"error": f"{type(exc).__name__}: {exc}", "epochs": epochs}

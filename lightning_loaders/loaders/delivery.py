@@ -21,11 +21,11 @@ batches). What users and Lightning see is the same for all of them and lives her
 - ``repr()`` says where the loader is.
 
 A loader implements ``_open_epoch`` (decide the epoch and open the engine at the cursor; over a
-``MapSchedule``, ``_begin_map_epoch`` begins it, compared across the ranks in Lightning's loops),
-``_reopen`` (the rest of the current epoch from the cursor, after an error or ``close()``),
-``_describe`` (its own ``repr`` fields) and extends ``close``; the iterators they return count
-each batch with the schedule as they hand it over (``counted`` does it for an engine that
-yields plain batches).
+``MapSchedule``, ``_begin_map_epoch`` begins it, compared across the ranks where
+``_compares_ranks`` says), ``_reopen`` (the rest of the current epoch from the cursor, after an
+error or ``close()``), ``_describe`` (its own ``repr`` fields) and extends ``close``; the
+iterators they return count each batch with the schedule as they hand it over (``counted`` does
+it for an engine that yields plain batches).
 """
 
 from __future__ import annotations
@@ -135,6 +135,9 @@ class DeliveryCore:
     _prefetcher: weakref.ref[Any] | None = None
     _held: HeldNote | None = None  # what a prefetching fetcher holds (``note_held``)
     _lightning_iterates = False  # the last iter() came from Lightning's loop (every rank's)
+    compare_ranks: bool | None = None
+    """Whether the ranks compare their epochs' plans: ``None`` in Lightning's loops only,
+    ``True`` in any loop, ``False`` never (``_compares_ranks``)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -288,13 +291,21 @@ class DeliveryCore:
         rest of that epoch, each batch counted as it is handed over."""
         raise NotImplementedError
 
+    def _compares_ranks(self) -> bool:
+        """Whether the epoch beginning now is compared across the ranks (one small collective,
+        which every rank must run, on the thread of its loop). By default (``compare_ranks``
+        ``None``) only in Lightning's loops, which run on every rank alike: a loop of the
+        user's may run on one rank alone (rank-zero evaluation, ``prepare_data``), where the
+        collective would wait forever, or in a thread beside DDP's own collectives, where it
+        would pair with theirs. ``True``: the user says every rank iterates alike on its main
+        thread (a Fabric or torchrun loop), so any loop compares; ``False``: none does."""
+        return self._lightning_iterates if self.compare_ranks is None else self.compare_ranks
+
     def _begin_map_epoch(self, schedule: MapSchedule) -> None:
-        """Begin ``schedule``'s next epoch, in Lightning's loops compared across the ranks
-        (``begin_agreed_epoch``): each rank shards its own plan, so ranks whose plans differ
-        would repeat and lose samples, or hang on different batch counts. Those loops run on
-        every rank alike; a loop of the user's may run on one rank alone, or in a thread beside
-        DDP's own collectives, so it compares nothing."""
-        if self._lightning_iterates:
+        """Begin ``schedule``'s next epoch, compared across the ranks where ``_compares_ranks``
+        says (``begin_agreed_epoch``): each rank shards its own plan, so ranks whose plans
+        differ would repeat and lose samples, or hang on different batch counts."""
+        if self._compares_ranks():
             schedule.begin_agreed_epoch()
         else:
             schedule.begin_epoch()

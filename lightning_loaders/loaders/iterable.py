@@ -52,9 +52,10 @@ The plan of an epoch
     stage) are refused with the fix. The stream must be the same in every process: it reads
     under global RNGs of its own (seeded from the seed and the epoch when it opens, carried
     from batch to batch), and on several ranks the ranks compare its ``len()`` and first
-    samples at every epoch start of Lightning's loops (not in a loop of the user's, which may
-    run on one rank alone or in a thread); its ``set_epoch(epoch)``, if any, is called before
-    each epoch.
+    samples at every epoch start of Lightning's loops (not, by default, in a loop of the
+    user's, which may run on one rank alone or in a thread; ``compare_ranks=True`` compares in
+    any loop, for one every rank runs alike); its ``set_epoch(epoch)``, if any, is called
+    before each epoch.
 
     ``shuffle_buffer=n`` additionally mixes samples within a canonical partition (or, without
     partitions, a slot): its stream is cut into windows of ``n`` samples, each emitted in a
@@ -309,8 +310,8 @@ class ResumableIterableLoader(ResumableLoader):
 
     def _open_epoch(self) -> Iterator[Any]:
         schedule, source = self.schedule, self._fetcher.source
-        if isinstance(source, PlainStream) and self._lightning_iterates:
-            # every rank's loop: the ranks compare streams before any refusal
+        if isinstance(source, PlainStream) and self._compares_ranks():
+            # the ranks compare streams before any refusal
             schedule.check_same_stream(self._begin_epoch, self._plain_digest)
         else:
             self._begin_epoch()

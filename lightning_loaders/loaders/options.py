@@ -65,13 +65,14 @@ class LoaderOptions:
     partitions: int | None = None
     snapshot_every_n_steps: int | None = None
     backend: str = "process"
+    compare_ranks: bool | None = None
 
 
 def check_loader_arguments(*, batch_size: Any, num_workers: Any, timeout: Any,
                            prefetch_factor: Any, persistent_workers: Any, collate_fn: Any,
                            worker_init_fn: Any, multiprocessing_context: Any, on_error: Any,
                            max_worker_restarts: Any, snapshot_every_n_steps: Any = None,
-                           backend: Any = "process") -> None:
+                           backend: Any = "process", compare_ranks: Any = None) -> None:
     """Raise ``ValueError``/``TypeError`` for arguments no loader can run with."""
     if not _is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r} (or None, for "
@@ -120,6 +121,10 @@ def check_loader_arguments(*, batch_size: Any, num_workers: Any, timeout: Any,
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}: 'process' for "
                          "worker processes, 'thread' for worker threads (when fetching releases "
                          "the GIL), 'auto' to measure which pays during the first batches")
+    if compare_ranks is not None and not isinstance(compare_ranks, bool):
+        raise ValueError(f"compare_ranks must be None, True or False, got {compare_ranks!r}: "
+                         "None compares the ranks' epochs in Lightning's loops only, True in "
+                         "any loop (every rank iterates alike, on its main thread), False never")
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
     if not _is_int(max_worker_restarts) or max_worker_restarts < 0:

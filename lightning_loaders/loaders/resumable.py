@@ -83,6 +83,16 @@ class ResumableLoader(WorkerLoader):
             them, so tuning changes speed, never data or ``state_dict()``. ``num_workers``
             and ``prefetch_factor`` then read the current setting and ``autotune`` reports
             the trials. Iterable datasets need known shard lengths (canonical partitions).
+        compare_ranks: whether the ranks of a process group compare their plans at every
+            epoch start (a map-style order's seed, length, batches and first indices; a plain
+            ``IterableDataset``'s ``len()`` and first samples), one small ``all_reduce`` that
+            refuses plans that differ, which would repeat and lose samples silently. ``None``
+            (default): in Lightning's loops only (an iterator its data fetcher made, on the
+            main thread), since a loop of your own may run on one rank alone (rank-zero
+            evaluation, ``prepare_data``: the collective would wait forever) or in a thread
+            beside DDP's collectives (it would pair with theirs). ``True``: at every epoch
+            start of any loop, for one that every rank runs alike on its main thread (a Fabric
+            or torchrun training loop). ``False``: never.
         snapshot_every_n_steps: accepted for ``torchdata``'s ``StatefulDataLoader`` code and
             ignored: the state is exact at every step, and costs nothing to take.
         backend: what the ``num_workers`` workers are. ``"process"`` (default): worker
@@ -184,6 +194,7 @@ class ResumableLoader(WorkerLoader):
         partitions: int | None = None,
         snapshot_every_n_steps: int | None = None,
         backend: str = "process",
+        compare_ranks: bool | None = None,
     ) -> None:
         self._configure(dataset, LoaderOptions(
             batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
@@ -195,7 +206,8 @@ class ResumableLoader(WorkerLoader):
             last_batch=last_batch, rank=rank, world_size=world_size, on_error=on_error,
             max_worker_restarts=max_worker_restarts, evaluation=evaluation,
             shuffle_buffer=shuffle_buffer, sync_interval=sync_interval, partitions=partitions,
-            snapshot_every_n_steps=snapshot_every_n_steps, backend=backend))
+            snapshot_every_n_steps=snapshot_every_n_steps, backend=backend,
+            compare_ranks=compare_ranks))
         self._initialized = True
 
     def __class_getitem__(cls, item: Any) -> GenericAlias:

@@ -94,7 +94,8 @@ class WorkerLoader(DeliveryCore):
             collate_fn=o.collate_fn, worker_init_fn=o.worker_init_fn,
             multiprocessing_context=o.multiprocessing_context, on_error=o.on_error,
             max_worker_restarts=o.max_worker_restarts,
-            snapshot_every_n_steps=o.snapshot_every_n_steps, backend=o.backend)
+            snapshot_every_n_steps=o.snapshot_every_n_steps, backend=o.backend,
+            compare_ranks=o.compare_ranks)
         o = int_counts(o)
         assert o.batch_size is not None
         self._autotuner = autotuner_for(o.num_workers, o.prefetch_factor)
@@ -141,6 +142,7 @@ class WorkerLoader(DeliveryCore):
         self.pin_memory_device = o.pin_memory_device
         self.in_order = o.in_order
         self.snapshot_every_n_steps = o.snapshot_every_n_steps
+        self.compare_ranks = o.compare_ranks
         self.seed = resolve_seed(o.seed, o.generator)
         self.on_error: OnError = o.on_error
         self.max_worker_restarts = o.max_worker_restarts

@@ -173,8 +173,9 @@ class MapSchedule(EpochOwner):
         The loader calls it at every epoch start of Lightning's loops (the first ``next()`` of
         an iterator its data fetcher made, on the main thread), which every rank runs alike;
         whatever ``begin_epoch`` raises on one rank waits until the ranks have compared, so the
-        one small collective cannot hang. A loop of the user's is not compared: it may run on
-        one rank alone, or in a thread beside DDP's own collectives. Without a process group
+        one small collective cannot hang. A loop of the user's is not compared (unless the
+        loader's ``compare_ranks=True`` says every rank runs it alike): it may run on one rank
+        alone, or in a thread beside DDP's own collectives. Without a process group
         of the loader's ranks (one process placed by hand) there is nothing to compare with."""
         world_size = resolve_rank_world(*self._explicit_placement)[1]
         if world_size == 1 or group_size() != world_size:

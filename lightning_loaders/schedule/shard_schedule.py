@@ -233,8 +233,9 @@ class IterableSchedule(EpochOwner):
         an iterator its data fetcher made, on the main thread), which every rank runs alike;
         whatever ``begin()`` raises on one rank (a plan it refuses, as a ``len()`` of its own
         can make it) waits until the ranks have compared, so the one small collective cannot
-        hang. A loop of the user's is not compared: it may run on one rank alone, or in a
-        thread beside DDP's own collectives. The placement is the one ``begin()`` plans the
+        hang. A loop of the user's is not compared (unless the loader's ``compare_ranks=True``
+        says every rank runs it alike): it may run on one rank alone, or in a thread beside
+        DDP's own collectives. The placement is the one ``begin()`` plans the
         epoch with, resolved afresh (the last epoch's may be from before DDP started); without
         a process group of its ranks (one process placed by hand) there is nothing to compare
         with."""

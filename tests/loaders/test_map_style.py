@@ -448,20 +448,29 @@ def test_ddp_plans_that_differ_between_ranks_are_refused_on_every_rank(tmp_path)
     dataset, one with its own generator seeded alike on every rank, and a loader placed by
     hand at rank 0 of 1 (nothing to compare) are read as planned. The ranks compare in
     Lightning's loops (its data fetcher, which every rank runs alike); a loop of the user's on
-    rank 0 alone compares nothing and reads its share (it waited for rank 1 forever)."""
+    rank 0 alone compares nothing and reads its share (it waited for rank 1 forever), unless
+    compare_ranks=True says every rank runs it alike: a plain loop on both ranks then refuses
+    the split sampler (make_resumable's override; before, it read 6 of 12 per epoch) and reads
+    a shuffle whole, while compare_ranks=False compares nothing even in Lightning's loops."""
     from tests.ddp_harness import REPO, run_ddp
 
     runs = run_ddp(REPO / "tests" / "scripts" / "map_ranks_ddp.py", [], tmp_path / "ddp")
-    for case in ("whole-sampler", "own-rng-alike", "shuffle", "rank-share-placed-by-hand"):
+    for case in ("whole-sampler", "own-rng-alike", "shuffle", "rank-share-placed-by-hand",
+                 "shuffle-own-loop-compared"):
         for epoch in range(2):
             ids = sorted(i for run in runs for i in run[case]["epochs"][epoch])
             assert ids == list(range(12)), (case, epoch)
+    for epoch in range(2):  # each rank its share of its own share: 6 of 12, uncompared
+        never = [i for run in runs for i in run["rank-share-never-compared"]["epochs"][epoch]]
+        assert len(set(never)) == len(never) == 6, (epoch, never)
     alone = runs[0]["rank-0-alone"]["epochs"][0]
     assert len(set(alone)) == len(alone) == 6 and "rank-0-alone" not in runs[1]
     order = "ValueError: the order differs between ranks in epoch"
     refused = {
         "rank-share": f"{order} 0 (its first indices: [0, 2, 4, 6] on rank 0, [1, 3, 5, 7] on "
                       "rank 1)",
+        "rank-share-own-loop-compared": f"{order} 0 (its first indices: [0, 2, 4, 6] on rank "
+                                        "0, [1, 3, 5, 7] on rank 1)",
         "subset-per-rank": f"{order} 0 (its first indices: ",
         "rank-order-from-epoch-1": f"{order} 1 (its first indices: [0, 1, 2, 3] on rank 0, "
                                    "[1, 2, 3, 4] on rank 1)",

@@ -67,6 +67,8 @@ BAD_SETTINGS = [
     (10, {"drop_last": True, "last_batch": "pad"}, ValueError, r"drop_last=True contradicts"),
     (10, {"on_error": "ignore"}, ValueError, r"on_error must be one of \('raise', 'skip'\)"),
     (10, {"max_worker_restarts": -1}, ValueError, r"max_worker_restarts .* use 0"),
+    (10, {"compare_ranks": "yes"}, ValueError, r"compare_ranks must be None, True or False, "
+     r"got 'yes': None compares the ranks' epochs in Lightning's loops only, True in any loop"),
     (10, {"rank": 2, "world_size": 2}, ValueError, r"need 0 <= rank < world_size"),
     (10, {"rank": 1}, ValueError, r"give both rank and world_size"),
     # A dataset shorter than the world size (or than one global batch under drop/rollover).

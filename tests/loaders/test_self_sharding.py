@@ -748,15 +748,21 @@ def test_ddp_datasets_splitting_by_torch_distributed_or_seeding_per_rank_are_ref
     shuffles), and a shuffle buffer drawing from the global RNGs is one stream on every rank:
     every id arrives once. A loop of the user's compares nothing: on rank 0 alone it reads its
     share (it waited for rank 1 forever), and in a thread it leaves the main thread's
-    all_reduce alone (gloo aborted: 'collective mismatch')."""
+    all_reduce alone (gloo aborted: 'collective mismatch'). With compare_ranks=True a loop of
+    the ranks' own, every rank alike (a Fabric loop), compares too: the rank split and the
+    shuffle of each process are refused (before, 20 of 40 ids read, or ids repeated and lost)
+    and one stream is read whole; compare_ranks=False compares nothing even in Lightning's
+    loops (the rank split reads 20 of 40)."""
     runs = run_ddp(REPO / "tests" / "scripts" / "self_sharding_ddp.py", [str(data_dir)],
                    tmp_path / "ddp", timeout=120)
-    for case in ("wds-seed-per-rank-w2", "shuffle-buffer-w0", "thread-beside-all-reduce"):
+    for case in ("wds-seed-per-rank-w2", "shuffle-buffer-w0", "thread-beside-all-reduce",
+                 "declared-own-loop-compared"):
         delivered = Counter(i for run in runs for i in run[case]["ids"])
         assert delivered == Counter(read_ids(str(data_dir))), case
     for rank, run in enumerate(runs):
         for case in ("dist-unsized-w0", "dist-unsized-w2", "dist-sized-w0", "dist-share-w0",
-                     "seed-per-rank-w2", "own-shuffle-sized-w0", "own-shuffle-sized-w2"):
+                     "seed-per-rank-w2", "own-shuffle-sized-w0", "own-shuffle-sized-w2",
+                     "dist-unsized-own-loop-compared", "own-shuffle-sized-own-loop-compared"):
             assert run[case].get("error", "").startswith(
                 "ValueError: the plain dataset's stream differs between ranks in epoch 0"), (
                 rank, case, run[case])
@@ -776,6 +782,8 @@ def test_ddp_datasets_splitting_by_torch_distributed_or_seeding_per_rank_are_ref
             "ValueError: last_batch='drop' leaves no batch on some rank"), (
             rank, run["no-batch-on-both-w0"])
         assert run["thread-beside-all-reduce"]["grads"] == [3.0] * 5, rank
+    never = [i for run in runs for i in run["dist-unsized-never-compared"]["ids"]]
+    assert len(set(never)) == len(never) == 20, never
     alone = runs[0]["rank-0-alone"]["ids"]
     assert len(set(alone)) == len(alone) == 20 and set(alone) <= set(read_ids(str(data_dir)))
     assert "rank-0-alone" not in runs[1]

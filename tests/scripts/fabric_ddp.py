@@ -1,6 +1,7 @@
 """One rank of a 2-process DDP ``Fabric`` loop over ``ResumableLoader`` (run by
 tests/ddp_harness): reports what every step saw on this rank; with ``--ckpt-dir`` saves after
-every step, with ``--resume`` continues from a checkpoint."""
+every step, with ``--resume`` continues from a checkpoint. The loader compares the ranks' plans
+at every epoch start (``compare_ranks=True``, as the README's Fabric loop has it)."""
 
 import argparse
 from pathlib import Path
@@ -21,7 +22,7 @@ args = parser.parse_args()
 
 def make_loader() -> ResumableLoader:
     return ResumableLoader(IndexDataset(13), batch_size=2, shuffle=True, seed=3,
-                           num_workers=args.workers)
+                           num_workers=args.workers, compare_ranks=True)
 
 
 fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp")

@@ -5,7 +5,9 @@ For each case it reads two epochs through a ``ResumableLoader`` (``make_resumabl
 ``DataLoader``), as Lightning's loops read it (through its data fetcher, where the ranks
 compare their plans), and reports either the indices this rank received in each epoch or the
 error it raised; then rank 0 alone reads an epoch in a loop of its own (compared with nothing,
-so it cannot wait for the other rank)::
+so it cannot wait for the other rank). Loaders with ``compare_ranks=True`` are read in a loop
+of the ranks' own (every rank alike, where they compare), and one with ``compare_ranks=False``
+through Lightning's loops (where it compares nothing)::
 
     {"<case>": {"epochs": [[...], [...]]} | {"error": "<type>: <message>"}, ...}
 
@@ -128,6 +130,14 @@ def main() -> None:
             IndexDataset(N), sampler=RankShare(N), batch_size=2, rank=0, world_size=1),
     }
     results = fetched_cases(cases)
+    results.update(fetched_cases({
+        "rank-share-own-loop-compared": lambda: make_resumable(
+            DataLoader(IndexDataset(N), sampler=RankShare(N), batch_size=2), compare_ranks=True),
+        "shuffle-own-loop-compared": lambda: ResumableLoader(
+            IndexDataset(N), batch_size=2, shuffle=True, compare_ranks=True),
+    }, read=iter))
+    results.update(fetched_cases({"rank-share-never-compared": lambda: make_resumable(
+        DataLoader(IndexDataset(N), sampler=RankShare(N), batch_size=2), compare_ranks=False)}))
     if rank == 0:
         alone = _plain(shuffle=True)
         results["rank-0-alone"] = {"epochs": [[i for batch in alone

@@ -7,7 +7,9 @@ For each case it reads one epoch through ``ResumableLoader``, as Lightning's loo
 this rank received or the error it raised; then rank 0 alone reads an epoch in a loop of its
 own, and each rank reads one in a thread beside an ``all_reduce`` of the main thread (both
 compared with nothing, so they neither wait for the other rank nor pair with its
-``all_reduce``)::
+``all_reduce``). Loaders with ``compare_ranks=True`` are read in a loop of the ranks' own (every
+rank alike, where they compare), and one with ``compare_ranks=False`` through Lightning's loops
+(where it compares nothing)::
 
     {"<case>": {"ids": [...]} | {"error": "<type>: <message>"}, ...}
 
@@ -21,7 +23,7 @@ import random
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,10 +108,12 @@ def read_before_ddp(ids: list[int]) -> dict[str, Any]:
     return {"alone": alone, **read_epoch(loader)}
 
 
-def read_epoch(loader: ResumableLoader) -> dict[str, Any]:
-    """The ids of an epoch of ``loader`` read as Lightning's loops read it, or its error."""
+def read_epoch(loader: ResumableLoader,
+               read: Callable[[Any], Iterable[Any]] = through_lightning) -> dict[str, Any]:
+    """The ids of an epoch of ``loader`` read by ``read`` (as Lightning's loops read it, else
+    ``iter`` for a loop of the user's), or its error."""
     try:
-        return {"ids": [i for batch in through_lightning(loader) for i in batch["id"].tolist()]}
+        return {"ids": [i for batch in read(loader) for i in batch["id"].tolist()]}
     except Exception as exc:  # reported to the launching test
         return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
@@ -172,6 +176,18 @@ def main() -> None:
     loader = ResumableLoader(shrunk, batch_size=4)
     shrunk.less = 1  # rank 1's data lose a sample after len() was planned: it refuses to begin
     results["len-changed-on-one-w0"] = read_epoch(loader)
+    dist.barrier()
+    compared: dict[str, Callable[[], Any]] = {
+        "dist-unsized-own-loop-compared": lambda: UnsizedDistRankSplit(ids),
+        "own-shuffle-sized-own-loop-compared": lambda: OwnShuffle(ids),
+        "declared-own-loop-compared": lambda: Declared(ids),
+    }
+    for name, build in compared.items():
+        results[name] = read_epoch(ResumableLoader(build(), batch_size=4, compare_ranks=True),
+                                   read=iter)
+        dist.barrier()
+    results["dist-unsized-never-compared"] = read_epoch(ResumableLoader(
+        UnsizedDistRankSplit(ids), batch_size=4, compare_ranks=False))
     dist.barrier()
     if dist.get_rank() == 0:
         alone = ResumableLoader(Declared(ids), batch_size=4)
