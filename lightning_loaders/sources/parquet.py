@@ -60,7 +60,8 @@ class _ColumnarFiles(ShardedSource[dict[str, Any]]):
         for (path, below), values in zip(found, keys, strict=True):
             in_file = None if wanted is None else [n for n in wanted if n not in partitioned]
             schema, lengths = self._describe(path, in_file)
-            _check_no_clash(list(schema.names), partitioned, path, found)
+            chosen = [key for key in partitioned if wanted is None or key in wanted]
+            _check_no_clash(list(schema.names), chosen, path, found)
             wanted = _checked_columns(wanted, list(schema.names) + partitioned, path, below)
             for name in (n for n in wanted if n not in partitioned):
                 kind = types.setdefault(name, schema.field(name).type)
@@ -339,8 +340,9 @@ def _partition_keys(below: list[str | None]) -> tuple[list[dict[str, Any]], dict
 
 def _check_no_clash(names: list[str], keys: list[str], path: str,
                     found: list[tuple[str, str | None]]) -> None:
-    """Refuses a file column that is also a partition key: a sample would hold two values for
-    it (pyarrow fails to merge two types, and of one type replaces the file's values)."""
+    """Refuses a file column that is also a partition key a sample holds (``keys``: those
+    chosen): it would hold two values for it (pyarrow fails to merge two types, and of one
+    type replaces the file's values). A key left out of ``columns=`` clashes with nothing."""
     clash = [name for name in names if name in keys]
     if clash:
         where = next(below for _, below in found if clash[0] in _hive_keys(below))

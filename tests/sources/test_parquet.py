@@ -446,7 +446,11 @@ def test_hive_misuse_is_refused_with_the_fix(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"has column\(s\) \['id'\] that are also Hive "
                                          r"partition keys \(id=5/part0\.parquet\)"):
         ParquetSource(tmp_path / "clash")
+    with pytest.raises(ValueError, match=r"has column\(s\) \['id'\] that are also Hive"):
+        ParquetSource(tmp_path / "clash", columns=["id"])
     assert [row["id"] for row in ParquetSource(clash)] == [0, 1]
+    left_out = ParquetSource(tmp_path / "clash", columns=["x"])  # the key not chosen: no clash
+    assert left_out.columns == ["x"] and len(list(left_out)) == 2
 
 
 # -- Arrow IPC files ----------------------------------------------------------------------------
