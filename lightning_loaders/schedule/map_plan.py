@@ -53,6 +53,8 @@ def keep_refusal(world_size: int, batch_size: int, left: int, total: int, rounds
         ranks = f"at most {_count(left, 'rank')}"
     if resumed:
         fix = f"resume on {ranks}, or from a checkpoint at an epoch's end"
+    elif merged:  # evaluation reads every sample once, where 'pad' would read some twice
+        fix = f"evaluate on {ranks}"
     elif rounds:  # batches of 1 after full rounds
         fix = (f"use last_batch='pad' or 'drop', {keep_fix(batch_size)}evaluation=True, or "
                f"{ranks}")

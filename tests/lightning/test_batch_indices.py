@@ -46,8 +46,8 @@ def test_evaluation_reads_every_sample_once_with_equal_batch_counts(batch_size: 
 
 
 def test_fewer_samples_than_ranks_is_refused_with_the_numbers() -> None:
-    with pytest.raises(ValueError, match="from the epoch's 2 samples with batch_size=1; use "
-                                         "last_batch='pad', or at most 2 ranks$"):
+    with pytest.raises(ValueError, match="from the epoch's 2 samples with batch_size=1; "
+                                         "evaluate on at most 2 ranks$"):
         len(_loader(2, 1, 0, 3))
 
 

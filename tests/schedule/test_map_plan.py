@@ -144,7 +144,8 @@ def test_a_keep_refusal_names_exactly_the_fixes_that_deal_the_epoch() -> None:
                 assert "; resume on " in message and named[3], message
                 assert not re.search("pad|drop|evaluation|batch_size >=", message), message
                 continue
-            fixes = {"'pad'": _deals(0, n, size, world, merged, "pad"),
+            fixes = {"'pad'": not merged and _deals(0, n, size, world, merged, "pad"),  # reads
+                     # a sample twice where evaluation reads each once
                      "'drop'": _deals(0, n, size, world, merged, "drop"),
                      "a batch_size >= 2": all(_deals(0, n, other, world, merged)
                                               for other in range(2, n + 2)),
@@ -159,10 +160,10 @@ def test_fewer_samples_than_ranks_or_one_left_name_the_world_sizes_that_deal_the
     ranks in batches of 1."""
     for size, merged, ranks in ((1, False, "a world size dividing the epoch's 3 (1 or 3 ranks)"),
                                 (2, False, "at most 3 ranks"), (1, True, "at most 3 ranks")):
+        fix = f"evaluate on {ranks}" if merged else f"use last_batch='pad', or {ranks}"
         with pytest.raises(ValueError, match=re.escape(
                 "last_batch='keep' cannot give each of 4 ranks a non-empty last batch from the "
-                f"epoch's 3 samples with batch_size={size}; use last_batch='pad', or {ranks}")
-                + "$"):
+                f"epoch's 3 samples with batch_size={size}; {fix}") + "$"):
             EpochPlan(0, 3, size, 4, "keep", merge_short_tail=merged)
     with pytest.raises(ValueError, match=re.escape(
             "from the epoch's 3 samples (1 full round of 2 batches leaves 1) with batch_size=1; "

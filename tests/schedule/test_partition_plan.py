@@ -96,9 +96,9 @@ def test_an_epoch_with_fewer_samples_than_ranks_is_refused_with_fixes_that_work(
     batch_size >= 2 (or one leaving a sample per rank) and evaluation=True (refused with the
     same advice), none of which deals them; it names 'pad' and the world sizes that do."""
     config = PlanConfig((3,), 1, False, size, "keep", True, 1, merge_short_tail=merged)
+    fix = f"evaluate on {ranks}" if merged else f"use last_batch='pad', or {ranks}"
     with pytest.raises(ValueError, match=re.escape(
-            f"from the epoch's 3 samples with batch_size={size}; use last_batch='pad', or "
-            f"{ranks}") + "$") as refused:
+            f"from the epoch's 3 samples with batch_size={size}; {fix}") + "$") as refused:
         deal(config, 0, 1, 4)
     assert not re.search("drop|evaluation|batch_size (>=|that)", str(refused.value))
     for other in (PlanConfig((3,), 1, False, size, "drop", True, 1),
