@@ -568,20 +568,18 @@ def _rebuilt_since(trainer: L.Trainer, loaded_at: int | None) -> bool:
 
 def _warn_unresumable(trainer: L.Trainer) -> None:
     """Warn of training loaders without ``state_dict()`` (a plain ``DataLoader`` returned by a
-    module's or a plain datamodule's hook, which is left to it, or a loader a
-    ``ResumableDataModule`` cannot convert): Lightning restarts their epoch on resume, so its
-    first samples repeat and the others are lost."""
+    module's or a plain datamodule's hook, which is left to it): Lightning restarts their epoch
+    on resume, so its first samples repeat and the others are lost. A ``ResumableDataModule``
+    has warned of those it could not convert already, as its hook returned them."""
+    if isinstance(trainer.fit_loop._data_source.instance, ResumableDataModule):
+        return
     combined = trainer.fit_loop._combined_loader
     plain = [f"{index} ({type(loader).__name__})"
              for index, loader in enumerate(combined.flattened if combined is not None else [])
              if not is_stateful(loader)]
     if not plain:
         return
-    if isinstance(trainer.fit_loop._data_source.instance, ResumableDataModule):
-        fix = ("ResumableDataModule converts torch DataLoaders and webdataset.WebLoaders only; "
-               "return a DataLoader or a ResumableLoader(dataset, batch_size=...) from "
-               "train_dataloader()")
-    elif user_shards(trainer):
+    if user_shards(trainer):
         fix = ("Under Trainer(use_distributed_sampler=False) on several processes, ExactResume "
                "leaves the DataLoaders passed to fit() as they are: each rank reads its own as "
                "given, so one whose sampler splits the data by rank is not split again. For "
