@@ -121,6 +121,8 @@ class EpochOwner:
             if not trainer_moved_on(trainer, self._owner, self.epoch) and (
                     self._has_rest() or still_draining(declared, self._owner)
                     or self._not_begun(pending)):
+                if pending.batches == 0 and self._owner is None:
+                    self._owner = trainer  # the epoch begins now, as a fresh loader's would
                 return
         else:
             finished = self.epoch is None or not self._has_rest()

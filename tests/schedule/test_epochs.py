@@ -6,6 +6,8 @@ from lightning_loaders import ResumableLoader
 from lightning_loaders.orders.base import SequentialOrder
 from lightning_loaders.schedule.epochs import following_epoch, trainer_moved_on
 from lightning_loaders.schedule.map_schedule import MapSchedule
+from lightning_loaders.sources.shards import SequenceSource
+from lightning_loaders.testing import checkpoint_roundtrip, set_epoch
 
 
 @pytest.mark.parametrize(("current", "trainer", "owner", "finished", "expected"), [
@@ -74,3 +76,32 @@ def test_an_epoch_read_to_its_end_without_set_epoch_is_not_read_again() -> None:
     assert [b.tolist() for b in resumed] == orders[1][1:]
     resumed.set_epoch(1)
     assert [b.tolist() for b in resumed] == orders[2]
+
+
+@pytest.mark.parametrize("iterable", [False, True])
+def test_an_epoch_resumed_from_a_fresh_state_begins_under_the_trainers_epoch(
+        iterable: bool) -> None:
+    """A fresh loader's state (saved before any batch), restored, then read through epoch 0
+    under ``set_epoch(0)``: its state at that epoch's end said no trainer epoch, so restored
+    with ``set_epoch(0)`` again (a restart at the epoch's end) it read epoch 1 where the
+    loader never restored waits for epoch 1's ``set_epoch``. Both now save epoch 0's owner."""
+    def make() -> ResumableLoader:
+        data = list(range(10))
+        dataset = SequenceSource([data[:5], data[5:]]) if iterable else data
+        return ResumableLoader(dataset, batch_size=4, shuffle=True, seed=1)
+
+    def ended_epoch_0(loader: ResumableLoader) -> dict:
+        set_epoch(loader, 0)
+        assert len(list(loader)) == 3
+        return checkpoint_roundtrip(loader.state_dict())
+
+    fresh = make().state_dict()
+    twin = make()
+    twin.load_state_dict(checkpoint_roundtrip(fresh))
+    saved = {"live": ended_epoch_0(make()), "twin": ended_epoch_0(twin)}
+    assert saved["twin"]["trainer_epoch"] == saved["live"]["trainer_epoch"] == 0
+    for state in saved.values():
+        restarted = make()
+        restarted.load_state_dict(state)
+        set_epoch(restarted, 0)
+        assert list(restarted) == []
