@@ -101,7 +101,8 @@ class DrawnOrder:
         set_epoch = getattr(self.sampler, "set_epoch", None)
         if not self._declared or not callable(set_epoch):
             return len(self)
-        with _seeded(self.sampler, self.seed, epoch), _epoch_kept(self.sampler):
+        with (_drawing(self._name, epoch), _seeded(self.sampler, self.seed, epoch),
+              _epoch_kept(self.sampler)):
             set_epoch(epoch)  # as the draw calls it: what it draws leaves no trace
             length = _declared_length(self.sampler)
         return len(self) if length is None else length
@@ -166,14 +167,16 @@ class DrawnOrder:
 
     def _draw(self, epoch: int) -> _Drawn:
         with _seeded(self.sampler, self.seed, epoch), _epoch_kept(self.sampler):
-            set_epoch = getattr(self.sampler, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(epoch)
-            length = None
-            if self._declared:  # read after set_epoch, which may change it (epoch_len)
-                length = _declared_length(self.sampler) if callable(set_epoch) else len(self)
-            items = iter(self.sampler)
-            return self._collect(items, epoch, length)
+            with _drawing(self._name, epoch):
+                set_epoch = getattr(self.sampler, "set_epoch", None)
+                if callable(set_epoch):
+                    set_epoch(epoch)
+                length = None
+                if self._declared:  # read after set_epoch, which may change it (epoch_len)
+                    length = (_declared_length(self.sampler) if callable(set_epoch)
+                              else len(self))
+                items = iter(self.sampler)
+            return self._collect(_named_draw(items, self._name, epoch), epoch, length)
 
     def _collect(self, items: Iterator[Any], epoch: int, length: int | None) -> _Drawn:
         """The epoch's indices: its first ``length`` (its ``len()`` after ``set_epoch``), or,
@@ -353,6 +356,25 @@ def _seeded(sampler: Any, seed: int, epoch: int) -> Iterator[None]:
         finally:
             for holder, previous in replaced:
                 holder.generator = previous
+
+
+@contextmanager
+def _drawing(name: str, epoch: int) -> Iterator[None]:
+    """Name the draw on an exception the sampler's own code raises in it (``set_epoch``,
+    ``len()``, ``__iter__``), keeping the exception's type and traceback: the loader calls
+    the sampler far from the user's own code."""
+    try:
+        yield
+    except Exception as exc:
+        exc.add_note(f"(raised while the loader drew the indices of epoch {epoch} from the "
+                     f"sampler {name}, seeded by (seed, epoch))")
+        raise
+
+
+def _named_draw(items: Iterator[Any], name: str, epoch: int) -> Iterator[Any]:
+    """``items``, the sampler's iterator, with ``_drawing`` around each step of it."""
+    with _drawing(name, epoch):
+        yield from items
 
 
 @contextmanager

@@ -197,6 +197,52 @@ def test_an_iterator_as_sampler_is_refused_as_read_once(sampler) -> None:
         make_resumable(loader)
 
 
+class _FailsInEpoch1(Sampler[int]):
+    """A sampler whose ``__iter__`` raises halfway through epoch 1."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return N
+
+    def __iter__(self) -> Iterator[int]:
+        for i in range(N):
+            if self.epoch == 1 and i == N // 2:
+                raise KeyError("the sampler's own error")
+            yield i
+
+
+class _Short(Sampler[int]):
+    """A sampler that yields one index fewer than its ``len()``."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(N - 1))
+
+
+def test_a_sampler_that_raises_is_named_with_the_epoch_and_keeps_its_error() -> None:
+    """The loader iterates the sampler far from the user's code: the error came bare, with no
+    epoch and no word of the draw. It keeps its type and traceback, and says both."""
+    loader = ResumableLoader(IndexDataset(N), sampler=_FailsInEpoch1(), batch_size=4)
+    assert len(list(loader)) == len(loader)  # epoch 0
+    with pytest.raises(KeyError, match="the sampler's own error") as caught:
+        list(loader)
+    assert caught.value.__notes__ == [
+        "(raised while the loader drew the indices of epoch 1 from the sampler _FailsInEpoch1, "
+        "seeded by (seed, epoch))"]
+    assert caught.traceback[-1].name == "__iter__"
+    short = ResumableLoader(IndexDataset(N), sampler=_Short(), batch_size=4)
+    with pytest.raises(ValueError, match="yielded only") as refused:  # names the draw already
+        list(short)
+    assert not hasattr(refused.value, "__notes__")
+
+
 def test_a_non_deterministic_sampler_gets_a_clear_warning() -> None:
     """It names the resume it breaks, and no more: a generator of the sampler's own, seeded
     alike on every rank, draws one order on every rank (``tests/loaders/test_map_style.py``
