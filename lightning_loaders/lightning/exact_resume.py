@@ -128,9 +128,13 @@ class ExactResume(Callback):
       its ``on_train_epoch_start``, and ``batch_idx`` from 0 also for an unsized loader, or
       one whose ``len()`` a reload reads anew: a batch sampler's epochs differ in length), and
       checkpoints written in it resume exactly too; so it does after one written at the
-      epoch's end (``on_train_epoch_end``) under ``max_steps``, and the training loaders
-      passed to ``fit`` get their states from such a checkpoint (Lightning gives none there,
-      and a cycled ``CombinedLoader`` member's epochs are not the trainer's);
+      epoch's end (``on_train_epoch_end``, or after ``fit`` returned) under ``max_steps``,
+      and the training loaders passed to ``fit`` get their states from such a checkpoint
+      (Lightning gives none there, and a cycled ``CombinedLoader`` member's epochs are not
+      the trainer's);
+    - a checkpoint written where ``max_steps`` cut an epoch short (``on_train_epoch_end``,
+      which Lightning calls there, or after ``fit`` returned) resumes inside that epoch, at
+      its next batch, when a run goes on with a larger ``max_steps``;
     - after a mid-epoch checkpoint resumed on another world size (an elastic resume), the
       epoch's batches are counted from where the training loaders resume on the new layout
       (``resume_batch()`` of this package's loaders), so Lightning asks for exactly the batches
@@ -181,6 +185,11 @@ class ExactResume(Callback):
 
     Lightning 2.6 internals this relies on (file:line in ``lightning/pytorch``):
 
+    - ``trainer/trainer.py:1044-1070``, ``trainer/connectors/checkpoint_connector.py:406-413``:
+      callbacks' ``on_load_checkpoint`` gets the checkpoint before the loops are restored from
+      it (``restore_training_state``), where ``ExactResume`` counts an epoch that
+      ``max_steps`` cut short (``is_last_batch`` false in the epoch loop's
+      ``batch_progress``) unfinished.
     - ``loops/training_epoch_loop.py:529-562``, ``_should_check_val_fx(data_fetcher)``: whether
       validation is due after the step, asked at save time with ``fit_loop._data_fetcher``
       (``loops/fit_loop.py:109``); ``_skip_next_val`` (``training_epoch_loop.py:96``);
@@ -231,6 +240,7 @@ class ExactResume(Callback):
         self._loaded_at: int | None = None  # the epoch the loaders of those states were built
         self._pass: _Pass | None = None
         self._after_sanity = False  # the sanity check was the loaders' last pass
+        self._reopened = False  # the restored epoch was counted ended where max_steps cut it
 
     # -- checkpoint state -------------------------------------------------------------------
 
@@ -268,8 +278,11 @@ class ExactResume(Callback):
         ``on_train_epoch_end`` by default without validation) it restores no loader
         (``loops/fit_loop.py:139, 553``), and a new one starts at the trainer's next epoch.
         That is the live one's place only if it counts its epochs as the trainer does; a
-        ``CombinedLoader`` member that cycles (``max_size_cycle``) has epochs of its own."""
+        ``CombinedLoader`` member that cycles (``max_size_cycle``) has epochs of its own.
+        Under ``max_steps``, count an epoch that it cut short unfinished first (Lightning
+        restores the loops after this hook, and restarts inside it)."""
         loop = checkpoint.get("loops", {}).get("fit_loop", {})
+        self._reopened = trainer.fit_loop._iteration_based_training() and _reopen_cut_epoch(loop)
         states = loop.get("state_dict", {}).get("combined_loader")
         epoch = loop.get("epoch_progress", {}).get("current", {})
         source = trainer.fit_loop._data_source
@@ -317,8 +330,10 @@ class ExactResume(Callback):
         the epoch's batches from where the training loaders resume on this layout."""
         fit_loop = trainer.fit_loop
         epoch_loop = fit_loop.epoch_loop
-        if fit_loop.restarted_on_epoch_end and fit_loop._iteration_based_training():
+        if _ended_under_max_steps(fit_loop):
             _resume_as_epoch_based(fit_loop)
+        if self._reopened:
+            _step_counted_once(fit_loop)
         if fit_loop.restarted_on_epoch_start:  # saved in on_train_epoch_start
             epoch_loop.batch_progress.reset_on_run()  # not the last epoch's count
         if (fit_loop.restarted_mid_epoch and epoch_loop.restarted_on_train_batch_end
@@ -437,15 +452,67 @@ class ExactResume(Callback):
         return _Pending(dataloader_idx=j, batch_idx=k, replay=k, origin=origin), states
 
 
+def _ended_under_max_steps(fit_loop: Any) -> bool:
+    """Whether step-based training restarts from a checkpoint written after an epoch's last
+    step, once the epoch loop ended: in ``on_train_epoch_end`` (``ModelCheckpoint``'s default
+    without validation), or with the epoch counted completed (``trainer.save_checkpoint``
+    after ``fit`` returned). Lightning keeps restarting there under ``max_steps``
+    (``loops/fit_loop.py:139``). An epoch that ``max_steps`` cut short is no longer counted
+    ended here (``_reopen_cut_epoch``)."""
+    if not fit_loop._iteration_based_training():
+        return False
+    total = fit_loop.epoch_progress.total
+    completed = 0 < total.ready == total.started == total.processed == total.completed
+    return fit_loop.restarted_on_epoch_end or (fit_loop.restarting and completed)
+
+
+def _reopen_cut_epoch(loop: dict[str, Any]) -> bool:
+    """Count an epoch that ``max_steps`` cut short, in the fit loop's saved state
+    ``loop``, as started and not processed, as a checkpoint after any of its other steps
+    counts it, so that Lightning restarts inside it. Lightning ends the epoch loop there and
+    counts the epoch processed before ``on_train_epoch_end`` (where ``ModelCheckpoint`` saves),
+    and completed after it (where ``fit`` returns): resumed from either, the unread batches of
+    the epoch were lost (3 of 6 after ``max_steps=3``) or, once completed, the next epoch
+    started from the cut one's batch count. An epoch ended at its last batch is left ended.
+    Returns whether the epoch was reopened."""
+    epochs = loop.get("epoch_progress")
+    batches = loop.get("epoch_loop.batch_progress")
+    if not epochs or not batches or batches.get("is_last_batch", True):
+        return False
+    step = batches["current"]
+    total = epochs["total"]
+    if not (step["ready"] == step["processed"] == step["completed"] > 0
+            and total["ready"] == total["started"] == total["processed"] > 0):
+        return False
+    for counts in (epochs["current"], total):
+        counts["completed"] -= counts["completed"] == counts["processed"]
+        counts["processed"] -= 1
+    return True
+
+
+def _step_counted_once(fit_loop: Any) -> None:
+    """Keep the logger step (``_batches_that_stepped``) of a reopened epoch whose last step
+    validated: Lightning restarts it as it does a checkpoint written at that validation's end
+    (``on_validation_end``), with an iteration that trains nothing and counts the step
+    (``loops/training_epoch_loop.py:286-289, 413-415``), which the epoch loop had counted
+    before it ended (one more than the uninterrupted run: 11 after 10 steps)."""
+    epoch_loop = fit_loop.epoch_loop
+    fetcher = fit_loop._data_fetcher
+    if (epoch_loop.restarted_on_last and fetcher is not None
+            and epoch_loop._should_check_val_fx(fetcher) and not epoch_loop._should_accumulate()):
+        epoch_loop._batches_that_stepped -= 1
+
+
 def _resume_as_epoch_based(fit_loop: Any) -> None:
-    """A checkpoint written after an epoch's last step (``on_train_epoch_end``, where
-    ``ModelCheckpoint`` saves by default without validation) resumes under ``max_steps`` as it
-    does without: the finished epoch counted, nothing restarting, the next epoch started with
-    its hooks and its batches counted from 0. Lightning keeps restarting there when training is
-    step-based (``loops/fit_loop.py:139``) and counts that epoch unfinished (``:417``): the
-    next epoch's first batch then ran as the finished epoch's ``batch_idx`` ``len()``, and the
-    epoch after it began."""
-    fit_loop.epoch_progress.increment_completed()  # in its totals too, which a resume reads
+    """A checkpoint written after an epoch's last step resumes under ``max_steps`` as it does
+    without: the finished epoch counted, nothing restarting, the next epoch started with its
+    hooks and its batches counted from 0. Lightning counts that epoch unfinished
+    (``loops/fit_loop.py:417``), or, counted, restarts the next epoch from the last one's
+    batch count: the next epoch's first batch then ran as the finished epoch's ``batch_idx``
+    ``len()``, and the epoch after it began; or that whole epoch was over at once."""
+    progress = fit_loop.epoch_progress
+    if progress.total.completed < progress.total.processed:
+        progress.increment_completed()  # in its totals too, which a resume reads
     fit_loop._restarting = False  # its setter keeps it under max_steps
     fit_loop.epoch_loop.restarting = False
     fit_loop.reset_restart_stage()

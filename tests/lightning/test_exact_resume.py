@@ -446,6 +446,47 @@ def test_checkpoints_at_each_epochs_end_under_max_steps(tmp_path: Path, loaders:
         assert fit(loaders, tmp_path, ckpt_path=path, max_epochs=-1, max_steps=15) == full, step
 
 
+def _fit_arguments(source: str) -> dict[str, Any]:
+    """What ``fit`` gets: plain ``DataLoader``s, ``ResumableLoader``s or a data module."""
+    if source == "ResumableDataModule":
+        return {"datamodule": Data()}
+    loaders = plain_loaders() if source == "DataLoader" else resumable()()
+    return dict(zip(("train_dataloaders", "val_dataloaders"), loaders, strict=True))
+
+
+def _fit_until(source: str, root: Path, max_steps: int, callbacks: Iterable[Any] = (),
+               ckpt_path: Path | None = None, save_to: Path | None = None
+               ) -> tuple[list[Event], int]:
+    """One ``fit`` to ``max_steps``, validating every 3 batches (``save_to``: the checkpoint
+    written after it returns); the events and the logger step it ends at."""
+    model = EventModule()
+    trainer = make_trainer(root, -1, [ExactResume(), *callbacks], max_steps=max_steps,
+                           val_check_interval=3)
+    trainer.fit(model, **_fit_arguments(source), ckpt_path=ckpt_path)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    return model.events, trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+@pytest.mark.parametrize("source", ["DataLoader", "ResumableLoader", "ResumableDataModule"])
+def test_an_epoch_max_steps_cut_short_goes_on_after_a_resume(tmp_path: Path, source: str
+                                                             ) -> None:
+    """``max_steps`` ends the epoch loop inside epoch 0 (6 batches); Lightning calls
+    ``on_train_epoch_end`` there (``ModelCheckpoint`` saves) and ``fit`` returns. Resumed with
+    a larger ``max_steps`` from either checkpoint, epoch 0 goes on where it was cut, as in the
+    uninterrupted run (it was counted ended: 3 of its batches lost after ``max_steps=3``, and
+    after ``fit`` returned at its last batch, epoch 1 was); the logger step too, also where
+    the cut step validated."""
+    full = _fit_until(source, tmp_path, 10)
+    assert [event for event in full[0] if event[0] == "epoch"] == [("epoch", 0), ("epoch", 1)]
+    for stop in (3, 4, 6):
+        directory = tmp_path / f"stop{stop}"
+        saver = ModelCheckpoint(dirpath=directory, save_last=True, save_on_train_epoch_end=True)
+        _fit_until(source, tmp_path, stop, [saver], save_to=directory / "after_fit.ckpt")
+        for path in (directory / "last.ckpt", directory / "after_fit.ckpt"):
+            assert _fit_until(source, tmp_path, 10, ckpt_path=path) == full, path
+
+
 def cycled_members() -> tuple[Any, Any]:
     """A dict of training loaders (Lightning's ``max_size_cycle``): ``b`` cycles."""
     return {"a": ResumableLoader(IndexDataset(10), batch_size=2, shuffle=True, seed=1),
