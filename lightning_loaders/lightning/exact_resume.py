@@ -824,13 +824,20 @@ def _reposition(trainer: L.Trainer, states: list[Any] | None, resuming: _Pending
 
 @contextmanager
 def _epoch_as(trainer: L.Trainer, epoch: int) -> Iterator[None]:
-    """``trainer.current_epoch == epoch`` inside (``FitLoop.reset`` may have moved it on)."""
-    progress: Any = trainer.fit_loop.epoch_progress.current  # a _ProcessedTracker
-    shift = progress.completed - epoch
-    progress.completed -= shift
-    progress.processed -= shift
+    """``trainer.current_epoch == epoch`` inside (``FitLoop.reset`` may have moved it on), in
+    the epoch counts' totals too: a checkpoint written inside (``ModelCheckpoint`` saves in
+    ``on_validation_end``) then counts that epoch unfinished, as the uninterrupted run's does.
+    With the totals counting it finished Lightning took it for no restart and ran that epoch
+    again, empty, with its ``on_train_epoch_start`` and ``on_train_epoch_end``."""
+    progress = trainer.fit_loop.epoch_progress
+    trackers: tuple[Any, ...] = (progress.current, progress.total)  # _ProcessedTrackers
+    shift = progress.current.completed - epoch
+    for counts in trackers:
+        counts.completed -= shift
+        counts.processed -= shift
     try:
         yield
     finally:
-        progress.completed += shift
-        progress.processed += shift
+        for counts in trackers:
+            counts.completed += shift
+            counts.processed += shift

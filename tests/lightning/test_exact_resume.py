@@ -661,6 +661,25 @@ def test_a_checkpoint_inside_the_rest_of_a_resumed_pass(tmp_path: Path) -> None:
         assert twice == full, hook
 
 
+@pytest.mark.parametrize("loaders", [resumable(), plain_loaders],
+                         ids=["ResumableLoader", "DataLoader"])
+def test_a_checkpoint_inside_the_pending_pass_of_an_epochs_last_step(tmp_path: Path,
+                                                                     loaders: Loaders) -> None:
+    """The checkpoint after epoch 0's last step resumes with the validation due there; one
+    written during that pass (at its end by ``ModelCheckpoint``, or inside it) resumes into
+    epoch 1 with each epoch's hooks once. Lightning took it for no restart, and ran epoch 0
+    again, empty, with its ``on_train_epoch_start`` and ``on_train_epoch_end``."""
+    first = tmp_path / "first"
+    full = fit(loaders, tmp_path, [every_step_checkpoints(first)], **HALF)
+    directory, inside = tmp_path / "during", tmp_path / "inside.ckpt"
+    saver = ModelCheckpoint(dirpath=directory, filename="{step}", save_top_k=-1)
+    assert fit(loaders, tmp_path, [saver, SaveDuringValidation(inside, 0, 1)],
+               ckpt_path=checkpoint_at(first, 6), **HALF) == full
+    for path in (checkpoint_at(directory, 6), inside):
+        assert torch.load(path, weights_only=False)["events"][-1][0] == "val"
+        assert fit(loaders, tmp_path, ckpt_path=path, **HALF) == full, path
+
+
 def test_replaying_an_out_of_order_validation_pass_warns(tmp_path: Path) -> None:
     """A checkpoint inside a step resumes the pass by replaying its first batches in the plan's
     order, which an ``in_order=False`` pass did not keep: it says so, where it used to validate
