@@ -273,12 +273,14 @@ class ExactResume(Callback):
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
-        """Give the training loaders passed to ``fit`` their saved states where Lightning does
-        not: from a checkpoint written after an epoch's end (``ModelCheckpoint`` saves in
-        ``on_train_epoch_end`` by default without validation) it restores no loader
-        (``loops/fit_loop.py:139, 553``), and a new one starts at the trainer's next epoch.
-        That is the live one's place only if it counts its epochs as the trainer does; a
-        ``CombinedLoader`` member that cycles (``max_size_cycle``) has epochs of its own.
+        """Give the training loaders passed to ``fit`` their saved states, and the next epoch,
+        after an epoch's end (``ModelCheckpoint`` saves in ``on_train_epoch_end`` by default
+        without validation): Lightning restores no loader there (``loops/fit_loop.py:139,
+        553``), and a new one starts at the trainer's next epoch. That is the live one's place
+        only if it counts its epochs as the trainer does; a ``CombinedLoader`` member that
+        cycles (``max_size_cycle``) has epochs of its own. Under ``max_steps`` Lightning
+        restores them, but gives the next epoch only after it fetched a batch of an unsized
+        loader: a ``min_size`` member left mid-epoch read on in that epoch.
         Under ``max_steps``, count an epoch that it cut short unfinished first (Lightning
         restores the loops after this hook, and restarts inside it)."""
         loop = checkpoint.get("loops", {}).get("fit_loop", {})
@@ -287,7 +289,6 @@ class ExactResume(Callback):
         epoch = loop.get("epoch_progress", {}).get("current", {})
         source = trainer.fit_loop._data_source
         if (not states or source.instance is None or source.is_module()
-                or trainer.fit_loop._iteration_based_training()
                 or not epoch.get("ready") == epoch.get("started") == epoch.get("processed")):
             return  # nothing passed to fit, or Lightning restores them (an epoch unfinished)
         instance = source.instance

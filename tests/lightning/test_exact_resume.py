@@ -508,17 +508,21 @@ def unsized_min_size() -> tuple[Any, Any]:
     return CombinedLoader(members, "min_size"), None
 
 
+@pytest.mark.parametrize("max_steps", [-1, 100], ids=["epochs", "max_steps"])
 @pytest.mark.parametrize("loaders", [cycled_members, rollover, unsized_min_size])
-def test_checkpoints_at_each_epochs_end_restore_the_loaders(tmp_path: Path, loaders: Loaders
-                                                            ) -> None:
+def test_checkpoints_at_each_epochs_end_restore_the_loaders(tmp_path: Path, loaders: Loaders,
+                                                            max_steps: int) -> None:
     """Lightning restores no loader from a checkpoint at an epoch's end, and a new one starts
-    at the trainer's next epoch, where a cycled member was not."""
+    at the trainer's next epoch, where a cycled member was not. Under ``max_steps`` it
+    restores them, after it fetched a batch of an unsized loader: a ``min_size`` member left
+    mid-epoch then went on with that epoch, which ended the next one early (2 of 3 batches)."""
     directory = tmp_path / "checkpoints"
     saver = ModelCheckpoint(dirpath=directory, filename="{epoch}", save_top_k=-1)
-    full = fit(loaders, tmp_path, [saver], max_epochs=3)
+    full = fit(loaders, tmp_path, [saver], max_epochs=3, max_steps=max_steps)
     for epoch in (0, 1):
         path = directory / f"epoch={epoch}.ckpt"
-        assert fit(loaders, tmp_path, ckpt_path=path, max_epochs=3) == full, epoch
+        assert fit(loaders, tmp_path, ckpt_path=path, max_epochs=3, max_steps=max_steps
+                   ) == full, epoch
 
 
 def test_an_epoch_end_checkpoint_of_other_training_loaders_starts_them_afresh(tmp_path: Path
