@@ -223,8 +223,14 @@ class DALILoader(DeliveryCore):
         else:
             self._schedule.set_epoch(epoch)
 
-    def state_dict(self) -> dict[str, Any]:
-        """The cursor plus, per rank, the DALI checkpoint of the pipeline (gathered under DDP)."""
+    def state_dict(self, unused: int = 0) -> dict[str, Any]:
+        """The cursor plus, per rank, the DALI checkpoint of the pipeline (gathered under DDP).
+        ``unused`` must be 0: a DALI checkpoint is where the pipeline's readers stand, and
+        cannot leave out batches already taken from it."""
+        if unused:
+            raise ValueError(f"DALILoader.state_dict(unused={unused}): a DALI checkpoint is "
+                             "where the pipeline's readers stand and cannot leave out batches "
+                             "already taken from it")
         state = self.schedule.state_dict()
         if self._restore is None:
             rank, world_size = self.schedule.placement

@@ -34,6 +34,7 @@ from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader
 
 from lightning_loaders.lightning.batch_indices import expose_batch_indices
+from lightning_loaders.lightning.in_flight import state_before_step, step_loaders
 from lightning_loaders.loaders.convert import is_webloader, make_resumable
 from lightning_loaders.loaders.map_style import MapStyleLoader
 from lightning_loaders.loaders.resumable import ResumableLoader
@@ -74,8 +75,9 @@ class ResumableDataModule(L.LightningDataModule):
         return convert_loader(loader, stage)
 
     def state_dict(self) -> dict[str, Any]:
-        """The training loaders' cursors (under ``STATE_KEY``)."""
-        return {STATE_KEY: _cursors(self).state()}
+        """The training loaders' cursors (under ``STATE_KEY``), without the batch of a
+        training step in progress (``in_flight``: a restart runs that step again)."""
+        return {STATE_KEY: _cursors(self).state(step_loaders(self.trainer))}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the training loaders' cursors (applied once, see the module docstring)."""
@@ -105,9 +107,13 @@ class _Cursors:
         self._apply()
         return outlived
 
-    def state(self) -> dict[str, Any]:
+    def state(self, in_step: list[Any]) -> dict[str, Any]:
+        """The loaders' states, those of ``in_step`` without the batch of the step in
+        progress (``in_flight.step_loaders``)."""
         return {"version": _STATE_VERSION,
-                "train": {key: loader.state_dict() for key, loader in self.loaders.items()}}
+                "train": {key: state_before_step(loader)
+                          if any(loader is other for other in in_step) else loader.state_dict()
+                          for key, loader in self.loaders.items()}}
 
     def load(self, state: Mapping[str, Any]) -> None:
         if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
@@ -233,7 +239,7 @@ def _warn_unconverted(loaders: Any, hook: str, stage: str) -> None:
 def _with_cursors(state_dict: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
     @functools.wraps(state_dict)
     def carrying(self: ResumableDataModule) -> dict[str, Any]:
-        return {**state_dict(self), STATE_KEY: _cursors(self).state()}
+        return {**state_dict(self), STATE_KEY: _cursors(self).state(step_loaders(self.trainer))}
 
     carrying._carries_cursors = True  # type: ignore[attr-defined]
     return carrying

@@ -54,6 +54,7 @@ from lightning_loaders.lightning.datamodule import (
     convert_passed_loaders,
     user_shards,
 )
+from lightning_loaders.lightning.in_flight import state_before_step, step_loaders
 from lightning_loaders.schedule.audit import saved_digest
 from lightning_loaders.state import abandoned, is_stateful
 
@@ -122,6 +123,12 @@ class ExactResume(Callback):
     - the validation loaders' states travel with every checkpoint (Lightning saves only the
       training loaders'), so a shuffled validation loader goes on with the order of its next
       pass;
+    - a checkpoint written before a training step ended (in ``on_train_batch_start``, inside
+      ``training_step``: Lightning's SLURM auto-requeue saves from its signal handler wherever
+      the main thread is, ``trainer/connectors/signal_connector.py``) resumes with that step
+      run again on its own batch: Lightning restarts the step, and the training loaders'
+      states (also a ``ResumableDataModule``'s) leave its batch out (``in_flight``); the
+      logger step is not advanced for it either;
     - a checkpoint written in ``on_train_epoch_start`` resumes with that whole epoch
       (Lightning alone keeps the last epoch's batch count there and ends it after a batch);
     - after a checkpoint at the last batch of an epoch, the next epoch starts as usual (with
@@ -305,10 +312,19 @@ class ExactResume(Callback):
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
-        """Log at INFO each training loader's saved cursor (epoch, batches) and its resume
-        audit digest (``lightning_loaders.schedule.audit``; ``-`` where the loader has none):
-        the same line in two runs means the same batch stood before the cursor."""
+        """Save the training loaders' states without the batch of a training step in
+        progress (``in_flight``), which Lightning runs again on restart; log at INFO each
+        training loader's saved cursor (epoch, batches) and its resume audit digest
+        (``lightning_loaders.schedule.audit``; ``-`` where the loader has none): the same line
+        in two runs means the same batch stood before the cursor."""
         loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        in_step = step_loaders(trainer)
+        combined = trainer.fit_loop._combined_loader
+        if in_step and combined is not None and "combined_loader" in loop:
+            stateful = [loader for loader in combined.flattened if is_stateful(loader)]
+            loop["combined_loader"] = [
+                state_before_step(loader) if any(loader is other for other in in_step) else state
+                for loader, state in zip(stateful, loop["combined_loader"], strict=True)]
         for index, state in enumerate(loop.get("combined_loader", [])):
             if isinstance(state, dict) and "epoch" in state and "batches" in state:
                 _log.info("checkpoint at global step %d, rank %d: training loader %d at epoch "
@@ -549,25 +565,28 @@ def _count_from_loaders(trainer: L.Trainer) -> None:
     """Mid-epoch restart: count the epoch's batches (``batch_progress.current``, hence
     ``batch_idx``) from where the training loaders resume on this layout, so that Lightning,
     which ends the epoch when the count reaches ``num_training_batches``, asks for exactly
-    the batches they have left.
+    the batches they have left. ``reset`` counts on from the saved ``completed``, one more
+    when saved in ``on_train_batch_end``: a step a checkpoint interrupted runs again.
 
     Saved on another world size (an elastic resume), the count is in the old layout's units:
     resumed on more ranks, Lightning would stop early and the loaders' tail of the epoch be
     lost; on fewer, ``batch_idx`` would be off. On the same layout the counts agree and
-    nothing changes. The logger step (``_batches_that_stepped``, which ``reset`` advances when
-    the saved step stepped the optimizer) is kept as the saved count gives it; with
+    nothing changes. The logger step (``_batches_that_stepped``, which ``reset`` advances as
+    if the saved step had stepped the optimizer) is kept as the saved count gives it, not
+    advanced for an interrupted step (it steps when it runs again); with
     ``accumulate_grad_batches`` the accumulation then follows this layout's count."""
     target = _resume_batch(trainer)
     epoch_loop = trainer.fit_loop.epoch_loop
     current: Any = epoch_loop.batch_progress.current  # a _BatchProgress tracker
-    if target is None or target == current.ready:
-        return
-    stepped = not epoch_loop._should_accumulate()
-    shift = target - current.ready
-    current.ready += shift
-    current.started += shift
-    current.processed += shift
-    current.completed += shift
+    interrupted = current.ready > current.processed
+    stepped = not interrupted and not epoch_loop._should_accumulate()
+    restart = current.completed + int(epoch_loop.restarted_on_train_batch_end)
+    if target is not None and target != restart:
+        shift = target - restart
+        current.ready += shift
+        current.started += shift
+        current.processed += shift
+        current.completed += shift
     if epoch_loop.restarted_on_train_batch_end or not epoch_loop.restarted_on_last:
         epoch_loop._batches_that_stepped += int(stepped) - int(not epoch_loop._should_accumulate())
 

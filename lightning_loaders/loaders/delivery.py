@@ -42,6 +42,7 @@ from torch.utils.data import SequentialSampler
 
 from lightning_loaders.loaders.prefetch import (
     HeldNote,
+    batches_after,
     batches_held,
     find_prefetcher,
     fit_epoch,
@@ -229,11 +230,13 @@ class DeliveryCore:
         self.schedule.set_epoch(epoch)
 
     @_serialized
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, unused: int = 0) -> dict[str, Any]:
         """The cursor as a small plain dict (``lightning_loaders.state``), with this loader's
         own parts; batches a prefetching trainer holds are not counted, so a resume delivers
-        them again."""
-        held = batches_held(self._held)
+        them again. Nor are, with ``unused``, that many batches the trainer took from its
+        fetcher and has not used (the batch of a training step that a checkpoint written
+        inside it interrupts: ``ExactResume``) and every batch delivered after them."""
+        held = batches_after(self._held, unused)
         state = self.schedule.state_dict(held=held)
         state[PARTS] = {**state[PARTS], **self._parts(held)}
         return state
@@ -334,7 +337,11 @@ class DeliveryCore:
 class Delivery:
     """A loader's iterator: opens the epoch at the first ``next()``, goes on from the cursor
     after an error or ``close()``, and refuses to run once a newer ``iter()`` replaced it.
-    Each ``next()`` holds the loader's ``_serial`` lock."""
+    Each ``next()`` holds the loader's ``_serial`` lock.
+
+    ``ends`` counts the ``next()`` calls that found the epoch over: a ``CombinedLoader`` in
+    ``"max_size"`` mode asks an ended member again for every batch, so it says how many
+    batches ago the member handed over its last."""
 
     def __init__(self, loader: DeliveryCore, token: int) -> None:
         self._loader = loader
@@ -342,6 +349,7 @@ class Delivery:
         self._batches: Iterator[Any] | None = None
         self._generation = -1
         self._started = False
+        self.ends = 0
 
     def __iter__(self) -> Delivery:
         return self
@@ -376,6 +384,7 @@ class Delivery:
                 batch = next(self._batches)
             except StopIteration:
                 loader._held = note_held(loader._prefetcher, handed=False)
+                self.ends += 1
                 raise
             except BaseException:
                 self._batches = None

@@ -114,7 +114,7 @@ from lightning_loaders.loaders.out_of_order import (
     not_delivered,
     rank_entry,
 )
-from lightning_loaders.loaders.prefetch import batches_held
+from lightning_loaders.loaders.prefetch import batches_after
 from lightning_loaders.loaders.resumable import ResumableLoader
 from lightning_loaders.schedule.map_plan import LastBatch
 from lightning_loaders.schedule.map_schedule import resolve_last_batch
@@ -284,14 +284,14 @@ class ResumableIterableLoader(ResumableLoader):
         self._window.restore(state.epoch, entry)
         self._restored, self._window_epoch = True, state.epoch
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, unused: int = 0) -> dict[str, Any]:
         """The cursor (see ``DeliveryCore.state_dict``); with ``in_order=False``, also every
         rank's batches delivered past its frontier (the ``window`` part, gathered from all
         ranks: every rank must call it, as Lightning does)."""
-        state = super().state_dict()
+        state = super().state_dict(unused)
         if self.in_order and self._window_epoch != state["epoch"]:
             return state
-        held, schedule = batches_held(self._held), self.schedule
+        held, schedule = batches_after(self._held, unused), self.schedule
         if self._restored or schedule.epoch is None:  # not started, or a state pending
             entry = self._window.pending() or [state["batches"], []]
         else:

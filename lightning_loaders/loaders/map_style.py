@@ -41,7 +41,7 @@ from lightning_loaders.loaders.out_of_order import (
     not_delivered,
     rank_entry,
 )
-from lightning_loaders.loaders.prefetch import batches_held, fit_epoch
+from lightning_loaders.loaders.prefetch import batches_after, fit_epoch
 from lightning_loaders.loaders.resumable import LoaderOptions, ResumableLoader
 from lightning_loaders.orders.base import SampleOrder, SequentialOrder, ShuffledOrder
 from lightning_loaders.orders.from_torch import (
@@ -219,15 +219,15 @@ class MapStyleLoader(ResumableLoader):
         ``None`` in order, where the ``i``-th batch delivered is planned batch ``i``."""
         return None if self.in_order else self._window.record_order()
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, unused: int = 0) -> dict[str, Any]:
         """The cursor (see ``DeliveryCore.state_dict``); with ``in_order=False`` (or in the
         epoch of a loaded out-of-order state), also every rank's batches delivered past its
         frontier (``out_of_order``)."""
         if self.in_order:
-            state = super().state_dict()
+            state = super().state_dict(unused)
             if self._window_epoch != state["epoch"]:
                 return state
-        held = batches_held(self._held)
+        held = batches_after(self._held, unused)
         schedule = self.schedule
         state = schedule.state_dict()
         rank, world_size = schedule.placement

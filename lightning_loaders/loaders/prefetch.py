@@ -22,8 +22,8 @@ import weakref
 from types import FrameType
 from typing import Any, NamedTuple
 
-__all__ = ["HeldNote", "batches_held", "find_prefetcher", "fit_epoch", "lightning_fetches",
-           "note_held"]
+__all__ = ["HeldNote", "batches_after", "batches_held", "find_prefetcher", "fit_epoch",
+           "lightning_fetches", "note_held"]
 
 _FETCHER_MODULES = ("lightning.pytorch.loops.fetchers", "pytorch_lightning.loops.fetchers")
 _FIT_LOOP_MODULES = ("lightning.pytorch.loops.fit_loop", "pytorch_lightning.loops.fit_loop")
@@ -105,3 +105,14 @@ def batches_held(note: HeldNote | None) -> int:
     ends (``min_size``). A fetcher dropped or torn down (which empties it by making a new list)
     leaves the list as it was."""
     return 0 if note is None else min(note.length, len(note.batches))
+
+
+def batches_after(note: HeldNote | None, unused: int) -> int:
+    """Batches of ours a state leaves out: those the fetcher holds (``batches_held``) or, with
+    ``unused`` batches taken from it and not used yet (a training step in progress), those and
+    every batch we delivered after them: the fetcher asked for one more as it handed the
+    step's over, which a ``CombinedLoader`` drops when a member after us has ended
+    (``min_size``) and a restarted step asks for again."""
+    if not unused:
+        return batches_held(note)
+    return unused + (0 if note is None else note.length)

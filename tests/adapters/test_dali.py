@@ -278,6 +278,16 @@ def test_reader_mode_refuses_another_world_size(files):
             next(iter(resumed))
 
 
+def test_a_state_leaving_out_batches_taken_is_refused(files):
+    """``state_dict(unused=n)`` (``ExactResume`` inside a step, for this package's own
+    loaders) cannot rewind a DALI checkpoint: refused, naming why, never a state one ahead."""
+    loader = make_loader("reader", files, 6)
+    next(iter(loader))
+    with pytest.raises(ValueError, match="cannot leave out batches already taken"):
+        loader.state_dict(unused=1)
+    assert loader.state_dict()["batches"] == 1
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_state_of_another_seed_is_refused_at_load_and_changes_nothing(files, mode):
     """In reader mode too, where checking it builds the pipeline (as ``len()`` does)."""

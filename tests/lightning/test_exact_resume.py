@@ -322,7 +322,7 @@ def unsized_then_sized_validation() -> Loaders:
 
     def make() -> tuple[Any, Any]:
         train, sized = resumable()()
-        first = ResumableLoader(GeneratorSource(_samples, [(0, 3), (3, 5)]), batch_size=2,
+        first = ResumableLoader(GeneratorSource(samples, [(0, 3), (3, 5)]), batch_size=2,
                                 evaluation=True)
         return train, [first, sized]
 
@@ -399,7 +399,7 @@ def test_a_combined_validation_loader_that_leaves_a_member_mid_epoch(tmp_path: P
     assert exact_steps == steps == list(range(1, STEPS + 1))
 
 
-def _samples(shard: tuple[int, int]) -> Iterator[dict[str, torch.Tensor]]:
+def samples(shard: tuple[int, int]) -> Iterator[dict[str, torch.Tensor]]:
     return ({"index": torch.tensor(i)} for i in range(*shard))
 
 
@@ -407,7 +407,7 @@ def unsized() -> Loaders:
     """12 training samples of unknown length (3 uneven shards), 6 batches an epoch."""
 
     def make() -> tuple[Any, Any]:
-        train = ResumableLoader(GeneratorSource(_samples, [(0, 5), (5, 9), (9, 12)]),
+        train = ResumableLoader(GeneratorSource(samples, [(0, 5), (5, 9), (9, 12)]),
                                 batch_size=2, shuffle=True, shuffle_buffer=4, seed=3)
         return train, resumable()()[1]
 
@@ -502,7 +502,7 @@ def rollover() -> tuple[Any, Any]:
 
 def unsized_min_size() -> tuple[Any, Any]:
     """``min_size`` over two training loaders of unknown length (``a`` is left mid-epoch)."""
-    members = {name: ResumableLoader(GeneratorSource(_samples, shards), batch_size=2,
+    members = {name: ResumableLoader(GeneratorSource(samples, shards), batch_size=2,
                                      shuffle=True, shuffle_buffer=4, seed=seed)
                for name, shards, seed in (("a", [(0, 6), (6, 12)], 3), ("b", [(0, 3), (3, 6)], 9))}
     return CombinedLoader(members, "min_size"), None
@@ -554,12 +554,82 @@ def test_a_checkpoint_written_at_an_epochs_start(tmp_path: Path, loaders: Loader
     assert fit(loaders, tmp_path, exact=False, ckpt_path=path, val_check_interval=4) != full
 
 
+class Counting(EventModule):
+    """Also records, after each training step, the optimizer step and the step loggers log
+    at: a resumed run counts them as the uninterrupted one does."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loop = self.trainer.fit_loop.epoch_loop
+        self.events.append(("steps", self.global_step, loop._batches_that_stepped))
+
+
+class SavingInsideSteps(Counting):
+    """Writes ``<batch>.ckpt`` (the batch's index in the run) into ``directory`` inside every
+    training step, before recording it, as SLURM's auto-requeue does from its signal handler
+    wherever the main thread is."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        self.directory = directory
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        batch_index = self.trainer.fit_loop.total_batch_idx
+        self.trainer.save_checkpoint(self.directory / f"{batch_index}.ckpt")
+        return super().training_step(batch, batch_idx)
+
+
+class SaveAtEachBatchStart(L.Callback):
+    """Writes ``<batch>.ckpt`` into ``directory`` in ``on_train_batch_start`` of every batch."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        trainer.save_checkpoint(self.directory / f"{trainer.fit_loop.total_batch_idx}.ckpt")
+
+
+def max_size_training() -> tuple[Any, Any]:
+    """Two training loaders in ``max_size`` mode: ``b`` ends half-way through each epoch."""
+    members = {"a": ResumableLoader(IndexDataset(12), batch_size=2, shuffle=True, seed=1),
+               "b": ResumableLoader(IndexDataset(6), batch_size=2, shuffle=True, seed=2)}
+    return CombinedLoader(members, "max_size"), None
+
+
+@pytest.mark.parametrize(("loaders", "options"), [
+    (resumable(), {}),
+    (resumable(), {"accumulate_grad_batches": 2}),
+    (plain_loaders, {}),
+    (unsized(), {}),
+    (max_size_training, {}),
+    (unsized_min_size, {}),
+    (lambda: (Data(), None), {}),
+], ids=["ResumableLoader", "accumulated", "DataLoader", "unsized", "max_size", "min_size",
+        "datamodule"])
+@pytest.mark.parametrize("where", ["training_step", "on_train_batch_start"])
+def test_a_checkpoint_written_before_a_step_ends_resumes_with_its_batch(
+        tmp_path: Path, loaders: Loaders, options: dict[str, Any], where: str) -> None:
+    """Lightning runs a step that a checkpoint interrupted again: the training loaders' states
+    counted its batch delivered, so it got the next one, its own was never trained on and the
+    epoch ended a step early (11 optimizer steps of 12)."""
+    directory = tmp_path / "checkpoints"
+    saving: tuple[Callable[[], EventModule], list[L.Callback]] = (
+        (lambda: SavingInsideSteps(directory), []) if where == "training_step"
+        else (Counting, [SaveAtEachBatchStart(directory)]))
+    full = fit(loaders, tmp_path, saving[1], module=saving[0], val_check_interval=3, **options)
+    steps = sum(event[0] == "train" for event in full)  # min_size: 3 batches an epoch
+    assert steps == (6 if loaders is unsized_min_size else STEPS)
+    assert [batch for batch in range(steps)
+            if fit(loaders, tmp_path, ckpt_path=directory / f"{batch}.ckpt", module=Counting,
+                   val_check_interval=3, **options) != full] == []
+
+
 def test_a_shuffled_unsized_validation_loader(tmp_path: Path) -> None:
     """After the pass run on restore, Lightning counts the validation done, and its ``reset``
     fetches a batch of an unsized loader: the next pass must not move on an epoch for it."""
 
     def loaders() -> tuple[Any, Any]:
-        val = ResumableLoader(GeneratorSource(_samples, [(0, 3), (3, 6)]), batch_size=2,
+        val = ResumableLoader(GeneratorSource(samples, [(0, 3), (3, 6)]), batch_size=2,
                               shuffle=True, shuffle_buffer=4, seed=4, evaluation=True)
         return resumable()()[0], val
 
@@ -578,7 +648,7 @@ def test_min_size_validation_over_unsized_loaders(tmp_path: Path) -> None:
     cannot tell) starts that next epoch too, not the one after it."""
 
     def loaders() -> tuple[Any, Any]:
-        members = {name: ResumableLoader(GeneratorSource(_samples, shards), batch_size=2,
+        members = {name: ResumableLoader(GeneratorSource(samples, shards), batch_size=2,
                                          shuffle=True, shuffle_buffer=4, seed=seed,
                                          evaluation=True)
                    for name, shards, seed in (("a", [(0, 4), (4, 8), (8, 12)], 3),
@@ -834,8 +904,9 @@ def test_a_state_from_another_version_is_refused() -> None:
 
 
 def test_two_ranks(tmp_path: Path) -> None:
-    """Real 2-process DDP: resume from a step checkpoint with validation due and from one
-    written inside validation; every rank's stream equals its uninterrupted one."""
+    """Real 2-process DDP: resume from a step checkpoint with validation due, from one
+    written inside validation, and from one written before a step over an unsized loader;
+    every rank's stream equals its uninterrupted one."""
     results = run_ddp(REPO / "tests" / "scripts" / "exact_resume_ddp.py", [str(tmp_path)],
                       tmp_path / "results")
     for rank, result in enumerate(results):
@@ -844,6 +915,9 @@ def test_two_ranks(tmp_path: Path) -> None:
         assert set(result["resumed"]) == {"step3", "step6", "inside"}
         for name, resumed in result["resumed"].items():
             assert resumed == full, (rank, name)
+        in_step = result["in_step"]
+        assert sum(event[0] == "train" for event in in_step["full"]) == 10, rank
+        assert in_step["resumed"] == in_step["full"], rank
     validated = [i for result in results for e in result["full"] if e[0] == "val" for i in e[4]]
     assert sorted(validated) == sorted(list(range(12)) * 4), "each pass reads every sample once"
 

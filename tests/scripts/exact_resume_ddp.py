@@ -2,9 +2,10 @@
 
 An uninterrupted run (validation twice per epoch) checkpoints after every step and once inside
 a validation pass; resumed runs continue from the step whose validation is due (3), from the
-end of epoch 0 (6), and from inside validation. Each rank reports its event streams; the
-checkpoint carries every rank's events, so each resumed stream is comparable with its rank's
-uninterrupted one.
+end of epoch 0 (6), and from inside validation. A run over an unsized training loader (whose
+state is gathered from the ranks) checkpoints at each training batch's start, before its step;
+it resumes from batch 5. Each rank reports its event streams; the checkpoint carries every
+rank's events, so each resumed stream is comparable with its rank's uninterrupted one.
 """
 
 import sys
@@ -13,10 +14,16 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_loaders import ResumableLoader
+from lightning_loaders import GeneratorSource, ResumableLoader
 from tests.conftest import IndexDataset
 from tests.ddp_harness import write_result
-from tests.lightning.test_exact_resume import EventModule, SaveDuringValidation, fit
+from tests.lightning.test_exact_resume import (
+    EventModule,
+    SaveAtEachBatchStart,
+    SaveDuringValidation,
+    fit,
+    samples,
+)
 from tests.lightning_harness import checkpoint_at, every_step_checkpoints
 
 
@@ -38,6 +45,12 @@ def loaders() -> tuple[ResumableLoader, ResumableLoader]:
     return train, ResumableLoader(IndexDataset(12), batch_size=2, evaluation=True)
 
 
+def unsized() -> tuple[ResumableLoader, None]:
+    """Per rank: 24 samples of unknown length in batches of 2, no validation."""
+    return ResumableLoader(GeneratorSource(samples, [(0, 9), (9, 17), (17, 24)]), batch_size=2,
+                           shuffle=True, shuffle_buffer=4, seed=3), None
+
+
 def main() -> None:
     root = Path(sys.argv[1])
     directory, inside = root / "checkpoints", root / "inside.ckpt"
@@ -49,7 +62,12 @@ def main() -> None:
               "inside": inside}
     resumed = {name: fit(loaders, root, ckpt_path=path, **options)
                for name, path in starts.items()}
-    write_result({"full": full, "resumed": resumed})
+    starts = root / "starts"
+    options.pop("val_check_interval")
+    in_step = fit(unsized, root, [SaveAtEachBatchStart(starts)], **options)
+    in_step_resumed = fit(unsized, root, ckpt_path=starts / "5.ckpt", **options)
+    write_result({"full": full, "resumed": resumed,
+                  "in_step": {"full": in_step, "resumed": in_step_resumed}})
 
 
 if __name__ == "__main__":
