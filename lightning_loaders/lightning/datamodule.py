@@ -221,13 +221,20 @@ def _converting(hook: Callable[..., Any], stage: str) -> Callable[..., Any]:
 
 def _warn_unconverted(loaders: Any, hook: str, stage: str) -> None:
     """Warn of loaders ``hook`` returned that are still neither converted nor stateful (an
-    iterable of another library's, ``convert`` overridden): they pass on as they are."""
+    iterable of another library's, or a loader an overridden ``convert`` kept): they pass on
+    as they are."""
     for key, leaf in _leaves(loaders):
         if leaf is None or is_stateful(leaf) or not hasattr(type(leaf), "__iter__"):
             continue
         where = f"loader {key!r} " if key else ""
         restarts = (", and a resume restarts its epoch, repeating the samples read before the "
                     "checkpoint and losing others" if stage == "train" else "")
+        if isinstance(leaf, DataLoader) or is_webloader(leaf):  # convert() kept it
+            warnings.warn(f"{hook}() returned {where}({type(leaf).__name__}) that convert() "
+                          "left as it is, with no state_dict(): it reaches the Trainer as it "
+                          f"is, not split across ranks by this package{restarts}",
+                          stacklevel=3)
+            continue
         warnings.warn(f"{hook}() returned {where}({type(leaf).__name__}) that ResumableDataModule "
                       "cannot make resumable (it converts torch DataLoaders and "
                       "webdataset.WebLoaders) and that has no state_dict(): it reaches the "

@@ -69,9 +69,12 @@ _SPLIT_BY_RANK = (
     "num_replicas, data_parallel_rank and data_parallel_size, a SubsetRandomSampler over this "
     "rank's indices), and so does a dataset whose len() is this rank's share. Pass the sampler "
     "over the whole dataset, alike on every rank: the loader gives each rank its share. A "
-    "sampler that must split by rank itself belongs in a plain DataLoader (under Lightning: "
-    "Trainer(use_distributed_sampler=False), which ExactResume leaves as it is), which resumes "
-    "from its epoch's start")
+    "sampler that must split by rank itself belongs in a plain DataLoader, which resumes from "
+    "its epoch's start. Under Lightning, Trainer(use_distributed_sampler=False) leaves one "
+    "passed to fit() or returned by a LightningModule's or LightningDataModule's hook as it is "
+    "(ExactResume too); a ResumableDataModule converts its hooks' DataLoaders whatever that "
+    "setting says: override its convert(loader, stage) to return that one as it is, or return "
+    "it from a LightningDataModule")
 
 
 class MapSchedule(EpochOwner):

@@ -366,3 +366,28 @@ def test_ddp_prediction_writers_get_each_batchs_dataset_indices(ddp_run) -> None
     assert all(batch_indices == prediction for batch_indices, prediction in rows)
     assert sorted(i for batch_indices, _ in rows for i in batch_indices) == list(
         range(ddp.PREDICT_N))
+
+
+def test_ddp_a_sampler_that_splits_by_rank_itself_is_refused_with_the_data_modules_fix(
+        tmp_path: Path) -> None:
+    """Its hook's loader is converted whatever ``use_distributed_sampler`` says, so the ranks'
+    orders differ and every rank refuses it: the refusal advised
+    ``Trainer(use_distributed_sampler=False)``, which was set; it names the data module's fix,
+    ``convert`` returning the loader as it is, with which each rank reads it as given (all 11
+    samples per epoch) and the warning no longer advises returning a DataLoader."""
+    script = REPO / "tests" / "scripts" / "passed_loaders_ddp.py"
+    refused = run_ddp(script, ["datamodule-user-shards", str(tmp_path)], tmp_path / "refused")
+    for run in refused:
+        assert run["error"].startswith("ValueError: the order differs between ranks in epoch 0")
+        assert ("a ResumableDataModule converts its hooks' DataLoaders whatever that setting "
+                "says: override its convert(loader, stage) to return that one as it is"
+                ) in run["error"]
+        assert run["seen"] == []
+    kept = run_ddp(script, ["datamodule-user-shards-kept", str(tmp_path)], tmp_path / "kept")
+    for epoch in range(2):
+        seen = {i for run in kept for e, _, b in run["seen"] if e == epoch for i in b}
+        assert sorted(seen) == list(range(11)), epoch
+    for run in kept:
+        [warning] = run["warnings"]
+        assert warning.startswith("train_dataloader() returned (DataLoader) that convert() left "
+                                  "as it is, with no state_dict()")
