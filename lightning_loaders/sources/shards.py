@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import codecs
 import itertools
+import numbers
 import os
 import struct
 from abc import abstractmethod
@@ -210,7 +211,13 @@ class GeneratorSource(ShardedSource[T]):
             module-level function). With ``seekable=True`` it is called as ``fn(shard, start)``
             and must begin at sample ``start``; otherwise the first ``start`` samples are read
             and skipped on resume.
-        shards: the shard descriptors passed to ``fn`` (paths, ranges, seeds, ...).
+        shards: the shard descriptors passed to ``fn`` (paths, ranges, seeds, ...). A state
+            saved over other shards is refused (the fingerprint): a ``str`` or
+            ``os.PathLike`` is compared by its last path component (a moved directory still
+            resumes, as with the file sources), a number (numpy's too), ``bytes``, ``None``
+            or a ``range`` by its value, a tuple or list item by item; any other object by
+            its type's name alone (its ``repr`` may differ between processes), so a state
+            over other such objects of the same lengths loads.
         lengths: samples per shard, if known.
         seekable: whether ``fn`` accepts a start position. Its shards are then read under
             each batch's seeding of the global RNGs (``ShardedSource.seeks``), so its order
@@ -253,7 +260,10 @@ class GeneratorSource(ShardedSource[T]):
 
     @property
     def fingerprint(self) -> str:
-        return f"{getattr(self.fn, '__qualname__', type(self.fn).__name__)}:{super().fingerprint}"
+        """``fn``'s name, the shard count and lengths, and the shards (``shards`` above)."""
+        described = [_described(shard) for shard in self._shards]
+        return (f"{getattr(self.fn, '__qualname__', type(self.fn).__name__)}:"
+                f"{super().fingerprint}:shards {digest(described)}")
 
 
 class _FileShards(ShardedSource[T]):
@@ -469,6 +479,21 @@ def count_records(path: str | os.PathLike[str]) -> int:
         count += 1
     reader.close()
     return count
+
+
+def _described(shard: Any) -> Any:
+    """A ``GeneratorSource`` shard as its fingerprint compares it (see its ``shards``)."""
+    if isinstance(shard, str | os.PathLike):
+        return os.path.basename(os.path.normpath(os.fspath(shard)))
+    if isinstance(shard, numbers.Integral):  # numpy's too
+        return int(shard)
+    if isinstance(shard, numbers.Real):
+        return float(shard)
+    if shard is None or isinstance(shard, bytes | range):
+        return shard
+    if isinstance(shard, tuple | list):
+        return tuple(_described(item) for item in shard)
+    return f"<{type(shard).__qualname__}>"
 
 
 def checked_lengths(lengths: Any, count: int) -> list[int] | None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_loaders import ResumableLoader
+from lightning_loaders import ResumableLoader, StateMismatchError
 from lightning_loaders.sources.shards import (
     GeneratorSource,
     LineFiles,
@@ -174,6 +174,59 @@ def test_fingerprints_change_with_files_and_lengths(tmp_path: Path) -> None:
 
 def _generate(shard: int) -> range:
     return range(shard)
+
+
+def _numbers_in(path: Any) -> Iterator[int]:
+    with open(path) as file:
+        yield from (int(line) for line in file)
+
+
+def test_a_generator_state_over_other_shards_is_refused(tmp_path: Path) -> None:
+    """The shards are in the fingerprint: a state saved over train_a/b.txt loaded into a
+    loader over eval_a/b.txt (same count, same lengths) and resumed on the eval files; the
+    same names in another directory still resume."""
+    for folder, names in (("run", ("train_a", "train_b", "eval_a", "eval_b")),
+                          ("moved", ("train_a", "train_b"))):
+        (tmp_path / folder).mkdir()
+        for base, name in enumerate(names):
+            (tmp_path / folder / f"{name}.txt").write_text(
+                "\n".join(str(100 * base + i) for i in range(8)))
+
+    def make(folder: str, *names: str) -> ResumableLoader:
+        paths = [tmp_path / folder / f"{name}.txt" for name in names]
+        return ResumableLoader(GeneratorSource(_numbers_in, paths, lengths=[8, 8]),
+                               batch_size=4, shuffle=True, seed=0)
+
+    train = make("run", "train_a", "train_b")
+    batches = iter(train)
+    next(batches)
+    state = train.state_dict()
+    rest = [batch.tolist() for batch in batches]
+    with pytest.raises(StateMismatchError, match=r"source: saved '_numbers_in:GeneratorSource:"
+                       r"2 shards:\w+:shards (\w+)', this loader '.*:shards (?!\1)\w+'"):
+        make("run", "eval_a", "eval_b").load_state_dict(state)
+    moved = make("moved", "train_a", "train_b")
+    moved.load_state_dict(state)
+    assert [batch.tolist() for batch in moved] == rest
+
+
+@pytest.mark.parametrize(
+    ("shards", "other", "same"),
+    [
+        ([0, 1], [2, 3], False),  # seeds
+        ([np.int64(0), 1], [0, np.int64(1)], True),
+        ([range(0, 4), range(4, 8)], [range(8, 12), range(12, 16)], False),
+        ([("a.bin", 0), ("a.bin", 4)], [("a.bin", 4), ("a.bin", 0)], False),
+        ([b"k0", b"k1"], [b"k0", b"k2"], False),
+        (["/data/x/a.txt", "/data/x/b.txt"], ["/mnt/a.txt", Path("/mnt/b.txt")], True),
+        ([{"path": "a"}, {"path": "b"}], [{"path": "c"}, {"path": "d"}], True),  # type alone
+    ],
+)
+def test_generator_shards_in_the_fingerprint(shards: list, other: list, same: bool) -> None:
+    def fingerprint(descriptors: list) -> str:
+        return GeneratorSource(_generate, descriptors, lengths=[4, 4]).fingerprint
+
+    assert (fingerprint(shards) == fingerprint(other)) == same
 
 
 def test_sources_travel_to_worker_processes(tmp_path: Path) -> None:
