@@ -106,7 +106,7 @@ class LoaderState:
                 f"unsupported state version: saved {state.get(VERSION)!r}, this "
                 f"loader reads version {STATE_VERSION}")
         names = [f.name for f in fields(cls)]
-        missing = [n for n in names[:4] if n not in state]
+        missing = [n for n in (*names[:4], PARTS) if n not in state]
         unknown = sorted(set(state) - set(names) - {VERSION})
         if missing or unknown:
             raise StateMismatchError(

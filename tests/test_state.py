@@ -82,6 +82,8 @@ def test_a_state_without_a_field_added_later_is_checked_without_it() -> None:
          "surprise": 1},
         {"version": STATE_VERSION, "kind": "map", "epoch": 0, "batches": 0, "world_size": 1,
          "abandoned": "yes"},
+        {"version": STATE_VERSION, "kind": "map", "epoch": 0, "batches": 0, "world_size": 1,
+         "fingerprint": {}},  # no parts
         [1, 2, 3],
     ],
 )
@@ -139,6 +141,21 @@ def test_an_abandoned_state_begins_the_next_epoch_as_the_live_loader_does(kind: 
     continued = LOADERS[kind]()
     continued.load_state_dict(state)
     assert _ids(continued) == rest_of_epoch and len(first + rest_of_epoch) == len(live)
+
+
+@pytest.mark.parametrize("kind", sorted(LOADERS))
+def test_a_state_without_parts_is_refused_naming_the_key(kind: str) -> None:
+    """It raised KeyError('parts') from the loader's restore of its parts."""
+    loader = LOADERS[kind]()
+    batches = iter(loader)
+    next(batches)
+    state = loader.state_dict()
+    del state["parts"]
+    fresh = LOADERS[kind]()
+    with pytest.raises(StateMismatchError, match=r"corrupted loader state: missing keys "
+                                                 r"\['parts'\]"):
+        fresh.load_state_dict(state)
+    assert fresh.state_dict()["batches"] == 0, "a refused state changes nothing"
 
 
 def test_only_this_packages_states_can_be_marked_abandoned() -> None:

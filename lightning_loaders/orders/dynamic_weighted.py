@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import Sampler
 
 from lightning_loaders.collectives import all_gather
+from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.hashing import checked_seed, digest, mix64
 from lightning_loaders.orders.random import check_weights, weighted_draws
 
@@ -131,9 +132,16 @@ class DynamicWeightedSampler(Sampler[int]):
         return {"weights": torch.from_numpy(self._weights.copy()) if changed else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the weights saved by ``state_dict``; a ``StateMismatchError`` unless they
+        are ``None`` or one finite weight >= 0 per sample."""
         weights = state.get("weights")
-        self._use(self._initial if weights is None
-                  else check_weights(weights, self._initial.size))
+        try:
+            checked = None if weights is None else check_weights(weights, self._initial.size)
+        except (TypeError, ValueError) as exc:
+            raise StateMismatchError(
+                f"corrupted DynamicWeightedSampler state: its saved 'weights' (a "
+                f"{type(weights).__name__}) are refused: {exc}") from exc
+        self._use(self._initial if checked is None else checked)
 
     # -- plain torch sampler ----------------------------------------------------------------
 

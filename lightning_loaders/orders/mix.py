@@ -405,14 +405,36 @@ class MixOrder:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the weight changes, and seed the draw counts with the saved checkpoints
         (checked for shape; a wrong count would fail the loader's audit of the resumed batch)."""
-        changes = state.get("changes", [])
-        seeds = [self._checked_counts(entry) for entry in state.get("counts", [])]
-        self._use([(int(step), _checked(weights, self.lengths.size, f"change at step {step}"))
-                   for step, weights in changes])
+        changes, counts = state.get("changes", []), state.get("counts", [])
+        for name, value in (("changes", changes), ("counts", counts)):
+            if not isinstance(value, list):
+                raise StateMismatchError(f"corrupted mixture state: {name!r}={value!r} is not a "
+                                         "list")
+        overrides: list[tuple[int, np.ndarray]] = []
+        for entry in changes:
+            overrides.append(self._checked_change(entry, overrides[-1][0] if overrides else -1))
+        seeds = [self._checked_counts(entry) for entry in counts]
+        self._use(overrides)
         self._checkpoints, self._ranks = {}, None
         if self.mode == "cycle":
             for epoch, chunk, counts in seeds[-_EPOCHS_KEPT:]:
                 self._checkpoints[epoch] = {0: np.zeros_like(counts), chunk: counts}
+
+    def _checked_change(self, entry: Any, previous: int) -> tuple[int, np.ndarray]:
+        """A saved ``[step, weights]`` weight change after one at step ``previous``, or a
+        ``StateMismatchError``."""
+        reason = ""
+        try:
+            step, weights = entry
+            checked = _checked(weights, self.lengths.size, f"change at step {step}")
+        except (TypeError, ValueError) as exc:
+            step, reason = None, f" ({exc})"
+        if not isinstance(step, int) or isinstance(step, bool) or step <= previous:
+            raise StateMismatchError(
+                f"corrupted mixture state: weight change {entry!r} is not [step, weights] with "
+                f"an int step after the previous change's ({previous}; -1: none) and one "
+                f"weight >= 0 per source ({self.lengths.size}){reason}")
+        return step, checked
 
     def _checked_counts(self, entry: Any) -> tuple[int, int, np.ndarray]:
         """A saved ``[epoch, chunk, counts]`` checkpoint, or a ``StateMismatchError``."""

@@ -425,7 +425,11 @@ class MapSchedule(EpochOwner):
         self._check_cursor(state)
         with self.loading():
             if is_stateful(self.order) and ORDER_STATE in state.parts:
-                self.order.load_state_dict(state.parts[ORDER_STATE])
+                part = state.parts[ORDER_STATE]
+                if not isinstance(part, dict):
+                    raise StateMismatchError(f"corrupted loader state: parts[{ORDER_STATE!r}]="
+                                             f"{part!r} is not a dict (the order's state)")
+                self.order.load_state_dict(part)
             if AUDIT in state.parts:
                 self._audited = None  # the order's restored state may draw otherwise
                 check_audit(state.parts[AUDIT], state.epoch, state.batches, state.world_size,

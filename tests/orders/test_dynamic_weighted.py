@@ -7,6 +7,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_loaders import ResumableLoader
+from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.loaders.convert import make_resumable
 from lightning_loaders.orders.dynamic_weighted import DynamicWeightedSampler
 from lightning_loaders.testing import check_resume_at_every_step, checkpoint_roundtrip, run_epochs
@@ -127,6 +128,19 @@ def test_the_state_holds_weights_only_once_they_changed() -> None:
     assert fresh.weights.tolist() == [1.0] * 5
     with pytest.raises(ValueError):
         fresh.weights[0] = 3.0
+
+
+@pytest.mark.parametrize(("weights", "match"), [
+    ("x", r"\(a str\) are refused: could not convert string to float: 'x'"),
+    ([1.0, 2.0], r"\(a list\) are refused: .*one entry per sample: got 2, expected 5"),
+    (torch.tensor([1.0, -1.0, 1.0, 1.0, 1.0]), r"\(a Tensor\) are refused: .*weights\[1\]=-1.0"),
+])
+def test_corrupted_saved_weights_are_refused(weights, match: str) -> None:
+    """'x' raised numpy's ValueError from inside check_weights, naming no state."""
+    sampler = DynamicWeightedSampler(np.ones(5))
+    with pytest.raises(StateMismatchError, match="corrupted DynamicWeightedSampler state: its "
+                                                 f"saved 'weights' {match}"):
+        sampler.load_state_dict({"weights": weights})
 
 
 def test_bad_updates_are_refused_with_the_values() -> None:

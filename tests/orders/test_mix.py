@@ -302,6 +302,27 @@ def test_corrupted_saved_counts_are_refused(counts: list[Any]) -> None:
         order.load_state_dict({"changes": [], "counts": counts})
 
 
+@pytest.mark.parametrize(
+    ("state", "match"),
+    [
+        ({"changes": None}, r"'changes'=None is not a list"),
+        ({"changes": [], "counts": None}, r"'counts'=None is not a list"),
+        ({"changes": [[1]]}, r"weight change \[1\] is not \[step, weights\].*not enough values"),
+        ({"changes": [[-1, [1, 1, 1]]]}, r"change \[-1, \[1, 1, 1\]\] .* \(-1; -1: none\)"),
+        ({"changes": [["5", [1, 1, 1]]]}, r"change \['5', \[1, 1, 1\]\] is not"),
+        ({"changes": [[6, [1, 1, 1]], [6, [1, 2, 1]]]}, r"change \[6, \[1, 2, 1\]\] .*\(6; "),
+        ({"changes": [[6, [1, 1]]]}, r"one weight >= 0 per source \(3\) \(change at step 6:"),
+        ({"changes": [[6, "x"]]}, r"change \[6, 'x'\] is not"),
+    ],
+)
+def test_corrupted_weight_changes_are_refused(state: dict[str, Any], match: str) -> None:
+    """They raised AttributeError, TypeError or ValueError from the unpacking, or were taken
+    out of step order (a change is looked up by its step, so the order must be increasing)."""
+    order = make()
+    with pytest.raises(StateMismatchError, match=f"corrupted mixture state: .*{match}"):
+        order.load_state_dict(state)
+
+
 def test_the_mixture_seed_is_part_of_the_fingerprint() -> None:
     """A state saved with another ``Mix(seed=...)`` is refused naming both seeds, before the
     resume audit could only say that a batch's digest differs."""

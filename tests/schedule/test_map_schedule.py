@@ -1,5 +1,6 @@
 """MapSchedule's requests: the plan read a block at a time equals the plan read batch by batch."""
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from lightning_loaders import DynamicWeightedSampler, Mix, ResumableLoader
+from lightning_loaders.errors import StateMismatchError
 from lightning_loaders.orders.base import ShuffledOrder
 from lightning_loaders.orders.drawn import DrawnBatchOrder
 from lightning_loaders.schedule.map_schedule import MapSchedule
@@ -80,6 +82,22 @@ def test_a_restored_state_saved_again_before_its_first_batch_keeps_new_weights(m
     resumed, _ = make()
     resumed.load_state_dict(again)
     assert [b.tolist() for b in resumed] == [b.tolist() for b in live]
+
+
+@pytest.mark.parametrize("make", [_mixed, _reweighted], ids=["Mix", "DynamicWeightedSampler"])
+@pytest.mark.parametrize("part", [None, [1], "x"])
+def test_an_order_state_that_is_not_a_dict_is_refused_at_load(make, part: Any) -> None:
+    """parts['order']=None raised AttributeError from the order's load_state_dict."""
+    saved, _ = make()
+    batches = iter(saved)
+    next(batches)
+    state = saved.state_dict()
+    state["parts"]["order"] = part
+    loader, _ = make()
+    with pytest.raises(StateMismatchError, match=rf"corrupted loader state: parts\['order'\]="
+                                                 rf"{re.escape(repr(part))} is not a dict"):
+        loader.load_state_dict(state)
+    assert loader.state_dict()["batches"] == 0, "a refused state changes nothing"
 
 
 def test_len_is_the_epoch_a_trainer_is_about_to_declare() -> None:
