@@ -398,7 +398,7 @@ class IterableSchedule(EpochOwner):
         elif self.known:
             cursors = self._derived_cursors(layout, rank, state.batches)
         else:
-            cursors = _saved_cursors(slots, rank, self.slots)
+            cursors = _saved_cursors(slots, rank)
         self._begin(state.epoch, state.batches, cursors, layout)
         if (self.canonical and state.world_size != world_size and self._recounted is not state
                 and layout.num_batches is not None and self.config.last_batch != "rollover"):
@@ -492,9 +492,6 @@ class IterableSchedule(EpochOwner):
     def _derived_cursors(self, layout: Layout, rank: int, batches: int) -> list[Cursor]:
         """Known lengths: every slot's position after ``batches`` delivered batches."""
         assert layout.sizes is not None and layout.num_batches is not None
-        if batches > layout.num_batches:
-            raise StateMismatchError(f"corrupted loader state: batches={batches} but epochs "
-                                     f"have {layout.num_batches} batches")
         sizes = layout.sizes[rank]
         counts = delivered_counts([len(s) for s in sizes], batches)
         cursors = []
@@ -571,10 +568,16 @@ class IterableSchedule(EpochOwner):
         if not isinstance(per_rank, int) or per_rank < 1:
             raise StateMismatchError(f"corrupted loader state: parts[{SLOTS!r}] must hold "
                                      f"{_PER_RANK!r}, an int >= 1; got {slots!r}")
-        if not self.known and state.batches and _POSITIONS not in slots:
-            raise StateMismatchError(
-                "corrupted loader state: a mid-epoch state of a dataset of unknown length "
-                f"needs parts[{SLOTS!r}][{_POSITIONS!r}] (the slots' positions)")
+        ended = slots.get(_ENDED, False)
+        if not isinstance(ended, bool):
+            raise StateMismatchError(f"corrupted loader state: parts[{SLOTS!r}][{_ENDED!r}]="
+                                     f"{ended!r} is not a bool")
+        if not self.known and state.batches:
+            if _POSITIONS not in slots:
+                raise StateMismatchError(
+                    "corrupted loader state: a mid-epoch state of a dataset of unknown length "
+                    f"needs parts[{SLOTS!r}][{_POSITIONS!r}] (the slots' positions)")
+            _check_positions(slots[_POSITIONS], state.world_size, per_rank)
         origin = slots.get(_ORIGIN, (0, 0))
         total = sum(self.config.lengths or ())
         if not (isinstance(origin, list | tuple) and len(origin) == 2
@@ -584,13 +587,50 @@ class IterableSchedule(EpochOwner):
                 f"corrupted loader state: parts[{SLOTS!r}][{_ORIGIN!r}] must be [epoch, stream "
                 f"position] with epoch <= {state.epoch + 1} (the state's epoch + 1) and "
                 f"position <= epoch x {total} samples; got {origin!r}")
+        if self.canonical and _base(slots)[1] > state.batches:
+            raise StateMismatchError(
+                f"corrupted loader state: parts[{SLOTS!r}][{_BASE!r}]={slots[_BASE]!r} begins "
+                f"its deal at batch {slots[_BASE][1]}, after the cursor's batches="
+                f"{state.batches}")
+        self._check_cursor(state, per_rank)
         self._pending = state
+
+    def _check_cursor(self, state: LoaderState, per_rank: int) -> None:
+        """Known lengths: refuse a cursor past the end of its epoch on the layout it was saved
+        under (a corrupted or edited state), as map-style loaders do; it would begin the next
+        epoch instead."""
+        if not self.known or not state.batches:
+            return
+        if self.canonical:
+            batches = self.saved_batches(state, 0)  # equal on every rank
+        else:
+            origin = state.parts[SLOTS].get(_ORIGIN, (0, 0))
+            try:
+                layout = plan_epoch(self.config, state.epoch, state.world_size, per_rank,
+                                    (origin[0], origin[1]))
+            except ValueError as exc:
+                raise StateMismatchError(
+                    f"corrupted loader state: epoch {state.epoch} on world size "
+                    f"{state.world_size} has no plan ({exc})") from exc
+            assert layout.num_batches is not None
+            batches = layout.num_batches
+        if state.batches > batches:
+            raise StateMismatchError(
+                f"corrupted loader state: batches={state.batches} is past the end of epoch "
+                f"{state.epoch}, which has {batches} batches on world size {state.world_size}")
 
 
 def _base(slots: Mapping[str, Any]) -> tuple[int, int, int]:
-    """A saved deal's ``(first item, first batch, skip)`` (``skip`` is absent where 0)."""
-    first, batch, *rest = slots.get(_BASE, (0, 0))
-    return int(first), int(batch), int(rest[0]) if rest else 0
+    """A saved deal's ``(first item, first batch, skip)`` (``skip`` is absent where 0); a
+    ``StateMismatchError`` unless it is 2 or 3 ints >= 0."""
+    base = slots.get(_BASE, (0, 0))
+    if not (isinstance(base, list | tuple) and len(base) in (2, 3)
+            and all(type(value) is int and value >= 0 for value in base)):
+        raise StateMismatchError(
+            f"corrupted loader state: parts[{SLOTS!r}][{_BASE!r}] must be [first item, first "
+            f"batch] or [first item, first batch, skip], ints >= 0; got {base!r}")
+    first, batch, *rest = base
+    return first, batch, rest[0] if rest else 0
 
 
 def _first_cursors(layout: Layout, rank: int) -> list[Cursor]:
@@ -632,23 +672,39 @@ def _requests(generation: int, epoch: int, rank: int, world_size: int,
                 yield SKIP
 
 
-def _saved_cursors(saved: Mapping[str, Any], rank: int, slots: int) -> list[Cursor]:
-    rows = saved.get(_POSITIONS)
-    if not isinstance(rows, list) or rank >= len(rows):
-        raise StateMismatchError(f"corrupted loader state: parts[{SLOTS!r}][{_POSITIONS!r}] has "
-                                 f"no entry for rank {rank}")
-    row = rows[rank]
+def _check_positions(rows: Any, world_size: int, slots: int) -> None:
+    """Refuse saved slot positions (checked at load) that are not one row per rank, each
+    ``None`` (a rank not gathered) or a ``Cursor`` per slot: counts ``>= 0``, the shard
+    iterator's state (a dict) or ``None``, and whether the slot is exhausted."""
+    if not isinstance(rows, list) or len(rows) != world_size:
+        raise StateMismatchError(
+            f"corrupted loader state: parts[{SLOTS!r}][{_POSITIONS!r}] must hold a row per "
+            f"rank ({world_size}); got {rows!r}")
+    for rank, row in enumerate(rows):
+        if row is not None and not (isinstance(row, list) and len(row) == slots
+                                    and all(map(_is_cursor, row))):
+            raise StateMismatchError(
+                f"corrupted loader state: rank {rank}'s slot positions {row!r} are not "
+                f"{slots} (its slots per rank) [batches, samples, window start, piece, offset, "
+                "reader state or None, exhausted], counts >= 0")
+
+
+def _is_cursor(entry: Any) -> bool:
+    """Whether ``entry`` is a saved ``Cursor``."""
+    return (isinstance(entry, list | tuple) and len(entry) == len(Cursor._fields)
+            and all(type(value) is int and value >= 0 for value in entry[:5])
+            and (entry[5] is None or isinstance(entry[5], Mapping))
+            and isinstance(entry[6], bool))
+
+
+def _saved_cursors(saved: Mapping[str, Any], rank: int) -> list[Cursor]:
+    """Rank ``rank``'s saved slot positions (checked at load: ``_check_positions``)."""
+    row = saved[_POSITIONS][rank]
     if row is None:
         raise StateMismatchError(
             f"the loader state has no positions for rank {rank}: it was saved without an "
             "initialised process group, so it holds only the saving rank's. Save it with "
             "torch.distributed initialised (every rank calling state_dict()), or restore each "
             "rank from its own state")
-    if not isinstance(row, list) or len(row) != slots:
-        raise StateMismatchError(f"corrupted loader state: rank {rank} has {len(row)} slot "
-                                 f"positions, this loader {slots}")
-    try:
-        return [Cursor(*entry) for entry in row]
-    except TypeError as exc:
-        raise StateMismatchError(f"corrupted loader state: bad slot position in {row!r}") from exc
+    return [Cursor(*entry) for entry in row]
 
