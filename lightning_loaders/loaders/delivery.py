@@ -150,8 +150,9 @@ class DeliveryCore:
         """A new iterator. Cheap: the epoch and the engine start at its first ``next()``.
 
         Under Lightning's prefetching fetcher: the fit loop's first fetch comes before it
-        gives the epoch, which is then taken from it, unless a restored state decides (its
-        saved epoch owner does; the fit loop's count may still move on a restart); and batches
+        gives the epoch, which is then taken from it (``fit_epoch``), also for a restored
+        state: one at its epoch's end stays exhausted in the epoch it resumes (``max_size``),
+        one mid-epoch after the epoch's last step begins the next (``min_size``); and batches
         a fetcher still held at a new ``iter()`` were never trained on (it iterates again under
         ``reload_dataloaders_every_n_epochs``, or a restart sets the data up twice and drops
         it), so the new iterator goes on from before them (the cursor the state saves), not
@@ -167,8 +168,7 @@ class DeliveryCore:
             self._iter_token += 1
             self._prefetcher = prefetcher
             self._lightning_iterates = lightning_fetches()
-            if (prefetcher is not None and not self.schedule.restoring
-                    and (epoch := fit_epoch()) is not None):
+            if prefetcher is not None and (epoch := fit_epoch()) is not None:
                 self.schedule.set_epoch(epoch)  # Lightning fetches a batch before it says so
             return Delivery(self, self._iter_token)
 
