@@ -233,6 +233,10 @@ class ExactResume(Callback):
     - ``loops/evaluation_loop.py:109-112, 155-173``: the validation loaders are rebuilt when
       ``current_epoch - _last_val_dl_reload_epoch >= reload_dataloaders_every_n_epochs``;
       ``ExactResume`` saves that epoch and puts it back on restore.
+    - ``utilities/combined_loader.py:68-95``: a ``"max_size_cycle"`` iterator's ``_consumed``
+      (which members have ended in the epoch: it ends when the last does), which a restart
+      makes anew; ``ExactResume`` saves it after a step and puts it back at ``on_train_start``
+      (an unsized member is fetched past its end there, and cycled where it should not).
     - ``batch_progress`` of the validation loop (``loops/evaluation_loop.py:423-460``):
       ``current.ready`` counts batches handed to steps, ``current.processed`` steps done;
       ``max_batches`` (``:96-101``) the batches of each loader per pass.
@@ -248,6 +252,7 @@ class ExactResume(Callback):
         self._pass: _Pass | None = None
         self._after_sanity = False  # the sanity check was the loaders' last pass
         self._reopened = False  # the restored epoch was counted ended where max_steps cut it
+        self._cycled: list[bool] | None = None  # restored: max_size_cycle members cycled
 
     # -- checkpoint state -------------------------------------------------------------------
 
@@ -255,7 +260,8 @@ class ExactResume(Callback):
         """Which validation is pending (``None``: none) and the validation loaders' states."""
         trainer = self._trainer() if self._trainer is not None else None
         if self._pending is not None or trainer is None:  # restored, not run yet
-            return _state(self._epoch, self._pending, self._loader_states, self._loaded_at)
+            return _state(self._epoch, self._pending, self._loader_states, self._loaded_at,
+                          self._cycled)
         loaders = _val_loaders(trainer)
         states = _overlaid(self._loader_states, _states(trainer, loaders, self._after_sanity))
         pending: _Pending | None = None
@@ -263,7 +269,8 @@ class ExactResume(Callback):
             pending, states = self._rest_of_pass(trainer, loaders, states)
         elif _fitting(trainer) and _validation_due(trainer):
             pending = _Pending()
-        return _state(trainer.current_epoch, pending, states, _loaded_at(trainer))
+        return _state(trainer.current_epoch, pending, states, _loaded_at(trainer),
+                      _cycled(trainer))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore; the pending validation runs at ``on_train_start``."""
@@ -277,6 +284,7 @@ class ExactResume(Callback):
         self._pending = _Pending.from_dict(pending) if pending is not None else None
         self._loader_states = state_dict["loaders"]
         self._loaded_at = state_dict.get("loaded_at")  # absent from older checkpoints
+        self._cycled = state_dict.get("cycled")  # likewise
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
@@ -364,6 +372,8 @@ class ExactResume(Callback):
         self._run_pending(trainer, pl_module)
         if fit_loop.restarted_mid_epoch:
             _count_from_loaders(trainer)
+            _restore_cycled(trainer, self._cycled)
+        self._cycled = None
         _warn_unresumable(trainer)
 
     def _run_pending(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -624,10 +634,34 @@ def _resume_batch(trainer: L.Trainer) -> int | None:
 
 
 def _state(epoch: int, pending: _Pending | None, loaders: list[Any] | None,
-           loaded_at: int | None) -> dict[str, Any]:
+           loaded_at: int | None, cycled: list[bool] | None) -> dict[str, Any]:
     return {"version": _VERSION, "epoch": epoch,
             "pending": pending.to_dict() if pending is not None else None, "loaders": loaders,
-            "loaded_at": loaded_at}
+            "loaded_at": loaded_at, "cycled": cycled}
+
+
+def _cycled(trainer: L.Trainer) -> list[bool] | None:
+    """Which training loaders of a ``"max_size_cycle"`` ``CombinedLoader`` have ended in the
+    epoch under way (its iterator's ``_consumed``, ``utilities/combined_loader.py:68-95``): the
+    epoch ends when the last of them does. ``None`` in another mode, outside ``fit``, and
+    inside a step (the batch fetched after the step's may have ended one)."""
+    combined = trainer.fit_loop._combined_loader
+    iterator = getattr(combined, "_iterator", None) if _fitting(trainer) else None
+    consumed = getattr(iterator, "_consumed", None)
+    if combined is None or combined._mode != "max_size_cycle" or not isinstance(consumed, list):
+        return None
+    return None if step_loaders(trainer) else list(consumed)
+
+
+def _restore_cycled(trainer: L.Trainer, cycled: list[bool] | None) -> None:
+    """Mid-epoch restart: put back which ``"max_size_cycle"`` members had ended (``_cycled``).
+    A new iterator counts none, so the longest member, at its end, was iterated again into
+    its next epoch where the uninterrupted run ended the combined epoch (its next epoch then
+    began in the trainer's next, one epoch on: another order when shuffled)."""
+    combined = trainer.fit_loop._combined_loader
+    consumed = getattr(getattr(combined, "_iterator", None), "_consumed", None)
+    if cycled is not None and isinstance(consumed, list) and len(consumed) == len(cycled):
+        consumed[:] = cycled
 
 
 def _loaded_at(trainer: L.Trainer) -> int | None:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from lightning.pytorch.utilities import CombinedLoader
 
-from lightning_loaders import ResumableLoader
+from lightning_loaders import ExactResume, ResumableLoader
 from lightning_loaders.sources.shards import GeneratorSource, SequenceSource
 from tests.conftest import IndexDataset
 from tests.lightning_harness import (
@@ -84,17 +84,17 @@ def _ids(shard: tuple[int, int]) -> Any:
     return iter(range(*shard))
 
 
-def unsized(mode: str) -> Callable[[], CombinedLoader]:
-    """Members of unknown length (``GeneratorSource`` without lengths), in order: ``a`` of
-    ``LONG`` batches, ``b`` of ``SHORT``. Lightning then prefetches a combined batch ahead of
+def unsized(mode: str, shuffle: bool = False) -> Callable[[], CombinedLoader]:
+    """Members of unknown length (``GeneratorSource`` without lengths): ``a`` of ``LONG``
+    batches, ``b`` of ``SHORT``. Lightning then prefetches a combined batch ahead of
     the step."""
 
     def make() -> CombinedLoader:
         return CombinedLoader({
             "a": ResumableLoader(GeneratorSource(_ids, [(0, 5), (5, 9), (9, 2 * LONG)]),
-                                 batch_size=2),
+                                 batch_size=2, shuffle=shuffle, seed=1),
             "b": ResumableLoader(GeneratorSource(_ids, [(100, 103), (103, 100 + 2 * SHORT)]),
-                                 batch_size=2),
+                                 batch_size=2, shuffle=shuffle, seed=2),
         }, mode=mode)
 
     return make
@@ -110,3 +110,18 @@ def test_unsized_members_resume_exactly(tmp_path: Path, mode: str) -> None:
     again inside the fetcher's ``next()``) was counted delivered, and skipped on resume."""
     full = check_trainer_resume(unsized(mode), tmp_path, max_epochs=2, batch_idx=False)
     assert len(full) == 2 * (SHORT if mode == "min_size" else LONG)
+
+
+def test_a_shuffled_unsized_member_cycles_as_before_a_resume(tmp_path: Path) -> None:
+    """Under ``max_size_cycle`` the epoch ends when ``a`` ends after ``b`` cycled; resumed
+    mid-epoch after ``b`` cycled, a new iterator counted ``b`` not cycled, so ``a`` was
+    iterated again at its end and read the next trainer epoch in its own epoch 2 (resumed
+    after steps 3-5: ``[11, 0]`` where ``[11, 5]`` came, shards in another order).
+    ``ExactResume`` carries which members cycled."""
+    directory = tmp_path / "checkpoints"
+    full = fit_recording(unsized("max_size_cycle", shuffle=True), tmp_path, 2,
+                         [every_step_checkpoints(directory), ExactResume()])
+    for step in range(1, len(full)):
+        resumed = fit_recording(unsized("max_size_cycle", shuffle=True), tmp_path, 2,
+                                [ExactResume()], ckpt_path=checkpoint_at(directory, step))
+        assert resumed == full[step:], step
