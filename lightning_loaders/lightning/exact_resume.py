@@ -485,12 +485,17 @@ def _ended_under_max_steps(fit_loop: Any) -> bool:
     without validation), or with the epoch counted completed (``trainer.save_checkpoint``
     after ``fit`` returned). Lightning keeps restarting there under ``max_steps``
     (``loops/fit_loop.py:139``). An epoch that ``max_steps`` cut short is no longer counted
-    ended here (``_reopen_cut_epoch``)."""
+    ended here (``_reopen_cut_epoch``). Nor is one at the epoch's last batch in
+    ``on_train_batch_end``, which Lightning counts completed when it restarts there:
+    ``on_train_start`` counts it ended, and the epoch loop's reset then steps the logger step
+    (left restarting false here, it was one behind: 13 after 14 steps)."""
     if not fit_loop._iteration_based_training():
         return False
     total = fit_loop.epoch_progress.total
     completed = 0 < total.ready == total.started == total.processed == total.completed
-    return fit_loop.restarted_on_epoch_end or (fit_loop.restarting and completed)
+    at_last_batch = fit_loop.epoch_loop.restarted_on_train_batch_end
+    return fit_loop.restarted_on_epoch_end or (fit_loop.restarting and completed
+                                               and not at_last_batch)
 
 
 def _reopen_cut_epoch(loop: dict[str, Any]) -> bool:

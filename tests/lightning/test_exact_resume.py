@@ -487,6 +487,19 @@ def test_an_epoch_max_steps_cut_short_goes_on_after_a_resume(tmp_path: Path, sou
             assert _fit_until(source, tmp_path, 10, ckpt_path=path) == full, path
 
 
+@pytest.mark.parametrize("source", ["DataLoader", "ResumableLoader"])
+def test_a_step_checkpoint_at_an_epochs_last_batch_under_max_steps(tmp_path: Path, source: str
+                                                                   ) -> None:
+    """``ModelCheckpoint(every_n_train_steps=6)`` saves at epoch 0's last batch (6 batches) in
+    ``on_train_batch_end``; resumed under ``max_steps``, epoch 1 runs whole and the logger step
+    is the uninterrupted run's (it was one behind: 9 after 10 steps)."""
+    full = _fit_until(source, tmp_path, 10)
+    saver = ModelCheckpoint(dirpath=tmp_path / "ck", filename="{step}", every_n_train_steps=6,
+                            save_top_k=-1)
+    _fit_until(source, tmp_path, 10, [saver])
+    assert _fit_until(source, tmp_path, 10, ckpt_path=tmp_path / "ck" / "step=6.ckpt") == full
+
+
 def cycled_members() -> tuple[Any, Any]:
     """A dict of training loaders (Lightning's ``max_size_cycle``): ``b`` cycles."""
     return {"a": ResumableLoader(IndexDataset(10), batch_size=2, shuffle=True, seed=1),
