@@ -253,15 +253,18 @@ class ExactResume(Callback):
         self._after_sanity = False  # the sanity check was the loaders' last pass
         self._reopened = False  # the restored epoch was counted ended where max_steps cut it
         self._cycled: list[bool] | None = None  # restored: max_size_cycle members cycled
+        self._exhausted: bool | None = None  # the training data at fit's end (None: unknown)
 
     # -- checkpoint state -------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Which validation is pending (``None``: none) and the validation loaders' states."""
+        """Which validation is pending (``None``: none), the validation loaders' states, and
+        whether the training data of the epoch was exhausted (the data fetcher's ``done``:
+        an epoch ended with it unread was cut short, by ``max_steps`` or ``should_stop``)."""
         trainer = self._trainer() if self._trainer is not None else None
         if self._pending is not None or trainer is None:  # restored, not run yet
             return _state(self._epoch, self._pending, self._loader_states, self._loaded_at,
-                          self._cycled)
+                          self._cycled, self._exhausted)
         loaders = _val_loaders(trainer)
         states = _overlaid(self._loader_states, _states(trainer, loaders, self._after_sanity))
         pending: _Pending | None = None
@@ -269,8 +272,10 @@ class ExactResume(Callback):
             pending, states = self._rest_of_pass(trainer, loaders, states)
         elif _fitting(trainer) and _validation_due(trainer):
             pending = _Pending()
+        fetcher = trainer.fit_loop._data_fetcher
+        exhausted = fetcher.done if fetcher is not None else self._exhausted
         return _state(trainer.current_epoch, pending, states, _loaded_at(trainer),
-                      _cycled(trainer))
+                      _cycled(trainer), exhausted)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore; the pending validation runs at ``on_train_start``."""
@@ -285,6 +290,7 @@ class ExactResume(Callback):
         self._loader_states = state_dict["loaders"]
         self._loaded_at = state_dict.get("loaded_at")  # absent from older checkpoints
         self._cycled = state_dict.get("cycled")  # likewise
+        self._exhausted = state_dict.get("exhausted")  # likewise
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
@@ -299,7 +305,9 @@ class ExactResume(Callback):
         Under ``max_steps``, count an epoch that it cut short unfinished first (Lightning
         restores the loops after this hook, and restarts inside it)."""
         loop = checkpoint.get("loops", {}).get("fit_loop", {})
-        self._reopened = trainer.fit_loop._iteration_based_training() and _reopen_cut_epoch(loop)
+        saved = checkpoint.get("callbacks", {}).get(self.state_key, {})
+        self._reopened = (trainer.fit_loop._iteration_based_training()
+                          and _reopen_cut_epoch(loop, saved.get("exhausted")))
         states = loop.get("state_dict", {}).get("combined_loader")
         epoch = loop.get("epoch_progress", {}).get("current", {})
         source = trainer.fit_loop._data_source
@@ -375,6 +383,13 @@ class ExactResume(Callback):
             _restore_cycled(trainer, self._cycled)
         self._cycled = None
         _warn_unresumable(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Keep whether the training data was exhausted, for a checkpoint written after
+        ``fit`` returns (Lightning drops the data fetcher then)."""
+        fetcher = trainer.fit_loop._data_fetcher
+        if fetcher is not None:
+            self._exhausted = fetcher.done
 
     def _run_pending(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Run the validation pending in the checkpoint as the epoch loop runs it."""
@@ -498,18 +513,23 @@ def _ended_under_max_steps(fit_loop: Any) -> bool:
                                                and not at_last_batch)
 
 
-def _reopen_cut_epoch(loop: dict[str, Any]) -> bool:
+def _reopen_cut_epoch(loop: dict[str, Any], exhausted: bool | None) -> bool:
     """Count an epoch that ``max_steps`` cut short, in the fit loop's saved state
     ``loop``, as started and not processed, as a checkpoint after any of its other steps
     counts it, so that Lightning restarts inside it. Lightning ends the epoch loop there and
     counts the epoch processed before ``on_train_epoch_end`` (where ``ModelCheckpoint`` saves),
     and completed after it (where ``fit`` returns): resumed from either, the unread batches of
     the epoch were lost (3 of 6 after ``max_steps=3``) or, once completed, the next epoch
-    started from the cut one's batch count. An epoch ended at its last batch is left ended.
-    Returns whether the epoch was reopened."""
+    started from the cut one's batch count. An epoch ended at its last batch is left ended,
+    and so is one whose data ran out before its ``len()``: ``exhausted``, the data fetcher's
+    ``done`` when the checkpoint was written, tells them apart (``None``, from a checkpoint
+    without it: not at its last batch, which took the second for a cut one and reopened it
+    into the next epoch's batches). Returns whether the epoch was reopened."""
     epochs = loop.get("epoch_progress")
     batches = loop.get("epoch_loop.batch_progress")
-    if not epochs or not batches or batches.get("is_last_batch", True):
+    if not epochs or not batches:
+        return False
+    if exhausted if exhausted is not None else batches.get("is_last_batch", True):
         return False
     step = batches["current"]
     total = epochs["total"]
@@ -639,10 +659,11 @@ def _resume_batch(trainer: L.Trainer) -> int | None:
 
 
 def _state(epoch: int, pending: _Pending | None, loaders: list[Any] | None,
-           loaded_at: int | None, cycled: list[bool] | None) -> dict[str, Any]:
+           loaded_at: int | None, cycled: list[bool] | None,
+           exhausted: bool | None) -> dict[str, Any]:
     return {"version": _VERSION, "epoch": epoch,
             "pending": pending.to_dict() if pending is not None else None, "loaders": loaders,
-            "loaded_at": loaded_at, "cycled": cycled}
+            "loaded_at": loaded_at, "cycled": cycled, "exhausted": exhausted}
 
 
 def _cycled(trainer: L.Trainer) -> list[bool] | None:

@@ -500,6 +500,41 @@ def test_a_step_checkpoint_at_an_epochs_last_batch_under_max_steps(tmp_path: Pat
     assert _fit_until(source, tmp_path, 10, ckpt_path=tmp_path / "ck" / "step=6.ckpt") == full
 
 
+class _ShortOfItsLength(torch.utils.data.IterableDataset):
+    """12 samples where ``len()`` says 16: its epochs end before their ``len()``."""
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return iter({"index": torch.tensor(index)} for index in range(12))
+
+    def __len__(self) -> int:
+        return 16
+
+
+class _ShortData(L.LightningDataModule):
+    """A plain data module, whose loader ``ExactResume`` leaves as it is."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_ShortOfItsLength(), batch_size=2)
+
+
+def test_an_epoch_that_ran_out_before_its_len_is_not_reopened(tmp_path: Path) -> None:
+    """Epoch 0 ends at its 6th batch where ``len()`` says 8, and ``ModelCheckpoint`` saves in
+    ``on_train_epoch_end``: not at its last batch, but not cut by ``max_steps`` either.
+    Resumed, epoch 1 starts (epoch 0 was reopened: epoch 1's first 2 batches ran as its
+    ``batch_idx`` 6 and 7)."""
+    def fit(callbacks: Iterable[Any] = (), ckpt_path: Path | None = None) -> list[Event]:
+        model = EventModule()
+        trainer = make_trainer(tmp_path, -1, [ExactResume(), *callbacks], max_steps=14)
+        trainer.fit(model, datamodule=_ShortData(), ckpt_path=ckpt_path)
+        return model.events
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "ck", filename="{step}", save_top_k=-1,
+                            save_on_train_epoch_end=True)
+    full = fit([saver])
+    assert full[7] == ("epoch", 1)
+    assert fit(ckpt_path=tmp_path / "ck" / "step=6.ckpt") == full
+
+
 def cycled_members() -> tuple[Any, Any]:
     """A dict of training loaders (Lightning's ``max_size_cycle``): ``b`` cycles."""
     return {"a": ResumableLoader(IndexDataset(10), batch_size=2, shuffle=True, seed=1),
