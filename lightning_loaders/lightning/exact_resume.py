@@ -302,12 +302,14 @@ class ExactResume(Callback):
         cycles (``max_size_cycle``) has epochs of its own. Under ``max_steps`` Lightning
         restores them, but gives the next epoch only after it fetched a batch of an unsized
         loader: a ``min_size`` member left mid-epoch read on in that epoch.
-        Under ``max_steps``, count an epoch that it cut short unfinished first (Lightning
-        restores the loops after this hook, and restarts inside it)."""
+        Count an epoch cut short (by ``max_steps`` or ``should_stop``) unfinished first
+        (Lightning restores the loops after this hook, and restarts inside it), whatever ends
+        the resumed run: it was cut when it was saved. A checkpoint that does not record it
+        is read under ``max_steps`` only, as before."""
         loop = checkpoint.get("loops", {}).get("fit_loop", {})
-        saved = checkpoint.get("callbacks", {}).get(self.state_key, {})
-        self._reopened = (trainer.fit_loop._iteration_based_training()
-                          and _reopen_cut_epoch(loop, saved.get("exhausted")))
+        exhausted = checkpoint.get("callbacks", {}).get(self.state_key, {}).get("exhausted")
+        self._reopened = ((exhausted is not None or trainer.fit_loop._iteration_based_training())
+                          and _reopen_cut_epoch(loop, exhausted))
         states = loop.get("state_dict", {}).get("combined_loader")
         epoch = loop.get("epoch_progress", {}).get("current", {})
         source = trainer.fit_loop._data_source
@@ -514,12 +516,14 @@ def _ended_under_max_steps(fit_loop: Any) -> bool:
 
 
 def _reopen_cut_epoch(loop: dict[str, Any], exhausted: bool | None) -> bool:
-    """Count an epoch that ``max_steps`` cut short, in the fit loop's saved state
-    ``loop``, as started and not processed, as a checkpoint after any of its other steps
-    counts it, so that Lightning restarts inside it. Lightning ends the epoch loop there and
+    """Count an epoch cut short (by ``max_steps``, or ``should_stop`` as ``EarlyStopping`` and
+    ``Timer`` set it), in the fit loop's saved state ``loop``, as started and not processed,
+    as a checkpoint after any of its other steps counts it, so that Lightning restarts inside
+    it. Lightning ends the epoch loop there and
     counts the epoch processed before ``on_train_epoch_end`` (where ``ModelCheckpoint`` saves),
     and completed after it (where ``fit`` returns): resumed from either, the unread batches of
-    the epoch were lost (3 of 6 after ``max_steps=3``) or, once completed, the next epoch
+    the epoch were lost (3 of 6 after ``max_steps=3``, 2 after ``should_stop`` at step 4) or,
+    once completed, the next epoch
     started from the cut one's batch count. An epoch ended at its last batch is left ended,
     and so is one whose data ran out before its ``len()``: ``exhausted``, the data fetcher's
     ``done`` when the checkpoint was written, tells them apart (``None``, from a checkpoint

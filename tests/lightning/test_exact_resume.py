@@ -500,6 +500,54 @@ def test_a_step_checkpoint_at_an_epochs_last_batch_under_max_steps(tmp_path: Pat
     assert _fit_until(source, tmp_path, 10, ckpt_path=tmp_path / "ck" / "step=6.ckpt") == full
 
 
+class _StopAt(L.Callback):
+    """Sets ``should_stop`` after global step ``step``, as ``EarlyStopping`` and ``Timer`` do."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
+def _trained_until(source: str, root: Path, callbacks: Iterable[Any] = (),
+                   ckpt_path: Path | None = None, save_to: Path | None = None, **limits: Any
+                   ) -> tuple[list[Event], int]:
+    """One ``fit`` under ``limits``, validating every 3 batches (``save_to``: the checkpoint
+    written after it returns); its training events and the logger step it ends at."""
+    model = EventModule()
+    trainer = make_trainer(root, limits.pop("max_epochs", 2), [ExactResume(), *callbacks],
+                           val_check_interval=3, **limits)
+    trainer.fit(model, **_fit_arguments(source), ckpt_path=ckpt_path)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    trained = [event for event in model.events if event[0] != "val"]
+    return trained, trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+@pytest.mark.parametrize("source", ["DataLoader", "ResumableLoader", "ResumableDataModule"])
+@pytest.mark.parametrize("stop", ["should_stop", "max_steps"])
+def test_an_epoch_cut_short_goes_on_under_max_epochs(tmp_path: Path, source: str, stop: str
+                                                     ) -> None:
+    """Epoch 0 (6 batches) ends early, at step 4 by ``should_stop`` under ``max_epochs`` or at
+    step 3 by ``max_steps``; resumed under ``max_epochs=2`` from the checkpoint of its
+    ``on_train_epoch_end`` or after ``fit`` returned, it goes on where it was cut, as the
+    uninterrupted run (whether it was reopened hung on the resuming trainer's ``max_steps``:
+    its 2 or 3 unread batches were lost)."""
+    full = _trained_until(source, tmp_path)
+    directory = tmp_path / "cut"
+    saver = ModelCheckpoint(dirpath=directory, save_last=True, save_on_train_epoch_end=True)
+    if stop == "should_stop":
+        _trained_until(source, tmp_path, [_StopAt(4), saver], save_to=directory / "after_fit.ckpt")
+    else:
+        _trained_until(source, tmp_path, [saver], save_to=directory / "after_fit.ckpt",
+                       max_epochs=-1, max_steps=3)
+    for path in (directory / "last.ckpt", directory / "after_fit.ckpt"):
+        assert _trained_until(source, tmp_path, ckpt_path=path) == full, path
+
+
 class _ShortOfItsLength(torch.utils.data.IterableDataset):
     """12 samples where ``len()`` says 16: its epochs end before their ``len()``."""
 
