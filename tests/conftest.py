@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+from collections.abc import Iterator
+
 import psutil
 import pytest
 import torch
@@ -38,6 +41,15 @@ class RangeDataset(torch.utils.data.Dataset[int]):
 @pytest.fixture
 def index_dataset() -> IndexDataset:
     return IndexDataset(23)
+
+
+@pytest.fixture
+def ctrl_c() -> Iterator[None]:
+    """SIGINT raises ``KeyboardInterrupt`` in the main thread (Python's own handler), as
+    Ctrl-C at a terminal does, whatever handler the test began with (put back after)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 _EARLIER: set[int] = set()  # child processes alive when the running test began

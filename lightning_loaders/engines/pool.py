@@ -12,12 +12,16 @@ the caller (torch's ``ExceptionWrapper``). Subclasses move
 the requests and results (``_put``, ``_take``).
 
 ``WorkerLost`` and ``WorkerStalled`` are how a pool reports dead and late workers to the
-loader, which restarts them from the cursor or raises its timeout error.
+loader, which restarts them from the cursor or raises its timeout error. ``signals_held`` keeps
+a Ctrl-C from landing between a worker's start and its registration with its pool.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import signal
+import threading
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -29,7 +33,7 @@ from torch.utils.data import _utils as torch_data_utils
 from lightning_loaders.engines.faults import Raised
 
 __all__ = ["POLL_S", "Arrival", "FetchTimer", "InProcess", "PoolIterator", "WorkerLost",
-           "WorkerStalled", "pin_target", "refuse_live"]
+           "WorkerStalled", "pin_target", "refuse_live", "release_held_signals", "signals_held"]
 
 POLL_S = 0.1
 """Seconds between liveness checks of the workers while the main process waits for a batch."""
@@ -41,6 +45,54 @@ def refuse_live(workers: int) -> NoReturn:
     raise TypeError(f"cannot pickle or copy a loader while it holds {workers} workers: "
                     "close() it first (an iterator used afterwards starts new ones and goes "
                     "on from the cursor)")
+
+
+_HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_held: tuple[dict[int, Any], list[int]] | None = None
+"""While ``signals_held()`` holds: the handlers it replaced, and the signals that arrived."""
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back while a worker starts and joins its pool, then raise those
+    that arrived meanwhile again. Their Python handlers (``KeyboardInterrupt``, a
+    ``sys.exit``) run in the main thread between any two bytecodes: one that ran after a
+    worker's fork (or a thread's start) and before the pool registered it would leave a
+    worker ``close()`` never sees. Blocking the signals in the main thread would not do: another
+    thread takes them, and the main thread still runs the handler. Elsewhere than in the main
+    thread no handler runs, so nothing is held; a process forked meanwhile calls
+    ``release_held_signals()`` as it starts."""
+    global _held
+    if _held is not None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handlers: dict[int, Any] = {}
+    arrived: list[int] = []
+    _held = (handlers, arrived)
+    try:
+        for signum in _HELD_SIGNALS:
+            handler = signal.getsignal(signum)
+            if callable(handler):  # not SIG_DFL or SIG_IGN: no Python code runs for those
+                handlers[signum] = handler
+                signal.signal(signum, lambda signum, _: arrived.append(signum))
+        yield
+    finally:
+        release_held_signals()
+
+
+def release_held_signals() -> None:
+    """End ``signals_held()``: the handlers as they were, then each signal that arrived meanwhile
+    raised again (so its handler runs now). In a worker process forked while they were held,
+    its first step, so that it stops on Ctrl-C as before; elsewhere nothing."""
+    global _held
+    if _held is None:
+        return
+    handlers, arrived = _held
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+    _held = None
+    for signum in dict.fromkeys(arrived):
+        signal.raise_signal(signum)
 
 
 class WorkerLost(Exception):

@@ -50,6 +50,7 @@ from lightning_loaders.engines.pool import (
     WorkerStalled,
     pin_target,
     refuse_live,
+    signals_held,
 )
 from lightning_loaders.engines.transport import transit_s
 from lightning_loaders.schedule.requests import SlotEnd
@@ -425,6 +426,9 @@ class ThreadPool:
             _stop(workers)  # they end after their fetch; one still running at exit is joined
 
     def _start(self) -> None:
+        """Start the threads, registered first, with Ctrl-C held back from registration until
+        all run (``signals_held``): one registered and never started would be waited for by
+        ``close()`` and at exit, ``JOIN_S`` long."""
         outbox, workers = self._outbox, []
         for w in range(self.num_workers):
             inbox: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
@@ -436,11 +440,12 @@ class ThreadPool:
                 args=(ThreadWorker(w, self.num_workers, fetcher), inbox, outbox,
                       self.worker_init_fn, self._pin, ended))
             workers.append(_Worker(thread, inbox, ended))
-        self._workers = workers
-        _RUNNING.difference_update([w for w in _RUNNING if not w.running()])
-        _RUNNING.update(workers)
-        for worker in workers:
-            worker.thread.start()
+        with signals_held():
+            self._workers = workers
+            _RUNNING.difference_update([w for w in _RUNNING if not w.running()])
+            _RUNNING.update(workers)
+            for worker in workers:
+                worker.thread.start()
 
 
 _RUNNING: set[_Worker] = set()

@@ -53,6 +53,8 @@ from lightning_loaders.engines.pool import (
     WorkerStalled,
     pin_target,
     refuse_live,
+    release_held_signals,
+    signals_held,
 )
 from lightning_loaders.engines.transport import Packed, RingPacker, RingReader
 from lightning_loaders.schedule.requests import BatchRequest
@@ -185,6 +187,9 @@ class ProcessPool:
         self._owner = os.getpid()
 
     def _start(self) -> None:
+        """Start the workers, each registered in ``workers`` as it is forked (Ctrl-C held
+        back meanwhile: ``signals_held``); if starting one fails or is interrupted, those
+        started are stopped, so that none outlives the error unseen."""
         started = None
         if self.context.get_start_method() == "fork":
             started = self.context.RawArray("b", self.num_workers)
@@ -193,19 +198,24 @@ class ProcessPool:
         packer = RingPacker(slots=self.prefetch_factor + HELD) if self.ring else None
         # a fork server, not this process, is the parent of the workers it starts
         parent = None if self.context.get_start_method() == "forkserver" else os.getpid()
-        for w in range(self.num_workers):
-            requests_in, requests_out = self.context.Pipe(duplex=False)
-            results_in, results_out = self.context.Pipe(duplex=False)
-            for end in (requests_out, results_out):
-                _widen(end)
-            process = self.context.Process(
-                target=_serve, name=f"lightning_loaders worker {w}", daemon=True,
-                args=(_Setup(w, self.num_workers, self.seed, parent, started, stop),
-                      self.fetcher, packer, self.worker_init_fn, requests_in, results_out))
-            process.start()
-            requests_in.close()
-            results_out.close()
-            self.workers.append(_Worker(process, requests_out, results_in))
+        try:
+            for w in range(self.num_workers):
+                requests_in, requests_out = self.context.Pipe(duplex=False)
+                results_in, results_out = self.context.Pipe(duplex=False)
+                for end in (requests_out, results_out):
+                    _widen(end)
+                process = self.context.Process(
+                    target=_serve, name=f"lightning_loaders worker {w}", daemon=True,
+                    args=(_Setup(w, self.num_workers, self.seed, parent, started, stop),
+                          self.fetcher, packer, self.worker_init_fn, requests_in, results_out))
+                with signals_held():
+                    process.start()
+                    self.workers.append(_Worker(process, requests_out, results_in))
+                    requests_in.close()
+                    results_out.close()
+        except BaseException:
+            self.close(wait=False)
+            raise
         self._started = started
 
     def _check_started(self) -> None:
@@ -361,6 +371,7 @@ def _serve(setup: _Setup, fetcher: Any, packer: RingPacker | None,
     if setup.started is not None:
         setup.started[w] = 1
     try:
+        release_held_signals()  # forked while the pool held them back
         failure = _set_up(setup, fetcher, init)
         if packer is not None:
             packer.install()

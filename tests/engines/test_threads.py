@@ -7,12 +7,16 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import os
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import pytest
 import torch
@@ -130,6 +134,39 @@ def test_threads_persist_across_iterators_and_close_joins_them() -> None:
     assert list(pool) == [(r, r % 3) for r in range(5)]  # new threads after close()
     pool.close()
     assert pool_threads() == []
+
+
+def test_a_ctrl_c_as_the_threads_start_leaves_none_registered_and_never_started(
+        ctrl_c: None, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Ctrl-C (a real SIGINT) as the pool starts its second thread: that thread was registered
+    and never started, so ``close()`` (and the interpreter's exit) waited ``JOIN_S`` for it to
+    end. The ``KeyboardInterrupt`` comes once both run, ``close()`` joins them at once, and
+    the pool then serves every request."""
+    monkeypatch.setattr(threads_module, "NOTICE_S", 0.2)
+    monkeypatch.setattr(threads_module, "JOIN_S", 0.5)
+    pool = ThreadPool(Recorder(), range(6), num_workers=2)
+    starts = []
+
+    def ctrl_c_at_the_second_start(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is threading.Thread.start.__code__:
+            starts.append(frame)
+            if len(starts) == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    previous = sys.gettrace()
+    sys.settrace(ctrl_c_at_the_second_start)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            iter(pool)
+    finally:
+        sys.settrace(previous)
+    assert len(starts) == 2
+    with caplog.at_level(logging.WARNING, logger=threads_module.__name__):
+        pool.close()
+    assert caplog.text == "" and pool_threads() == []
+    assert list(pool) == [(r, r % 2) for r in range(6)]
+    pool.close()
 
 
 def test_non_persistent_threads_stop_at_the_end_of_each_pass() -> None:

@@ -15,7 +15,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
-from multiprocessing import forkserver
+from multiprocessing import forkserver, popen_fork
 from pathlib import Path
 from typing import Any
 
@@ -444,6 +444,53 @@ def test_with_recovery_off_a_worker_that_never_starts_raises_and_is_killed(wedgi
     assert f"DataLoader worker 0 (pid {error.pid}) did not start within 0.5 s" in str(error)
     assert not psutil.pid_exists(error.pid) or psutil.Process(error.pid).status() == \
         psutil.STATUS_ZOMBIE
+    assert loader_processes() == []
+
+
+# -- Ctrl-C at a worker's fork -------------------------------------------------------------
+
+
+class _CtrlCAfterFork(popen_fork.Popen):
+    """A fork followed, in the parent, by Ctrl-C (a real SIGINT) at the ``at``-th fork (from
+    0), before ``Process.start()`` has recorded the child or returned."""
+
+    forks = 0
+    at = 0
+
+    def _launch(self, process_obj: Any) -> None:
+        super()._launch(process_obj)  # returns in the parent only
+        type(self).forks += 1
+        if type(self).forks == type(self).at + 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+class _InterruptedAtFork(multiprocessing.context.ForkProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> _CtrlCAfterFork:
+        return _CtrlCAfterFork(process_obj)
+
+
+class InterruptingContext(multiprocessing.context.ForkContext):
+    Process = _InterruptedAtFork
+
+
+@pytest.mark.parametrize("worker", [0, 1])
+def test_a_ctrl_c_right_after_a_workers_fork_leaves_no_worker_behind(worker, ctrl_c,
+                                                                      monkeypatch) -> None:
+    """The worker whose fork Ctrl-C follows was not yet the pool's: ``close()`` never stopped
+    it, and it slept until the training process exited. The ``KeyboardInterrupt`` comes once
+    it is registered, every worker started is stopped, and the loader then reads the epoch."""
+    monkeypatch.setattr(_CtrlCAfterFork, "forks", 0)
+    monkeypatch.setattr(_CtrlCAfterFork, "at", worker)
+    reference = _reference(40, 1, num_workers=0)
+    loader = ResumableLoader(IndexDataset(40), batch_size=4, shuffle=True, seed=6,
+                             num_workers=2, multiprocessing_context=InterruptingContext())
+    with pytest.raises(KeyboardInterrupt):
+        next(iter(loader))
+    assert _CtrlCAfterFork.forks == worker + 1
+    assert loader_processes() == []
+    assert run_epochs(loader, range(1), key=indices) == reference
+    loader.close()
     assert loader_processes() == []
 
 
