@@ -93,6 +93,11 @@ JOIN_S = 60.0
 """How long ``close()`` waits for a thread to finish the fetch it is in before leaving it."""
 NOTICE_S = 2.0
 """How long ``close()`` waits for a thread before saying that it waits (Ctrl-C seems stuck)."""
+SETTLE_S = 1.0
+"""The longest ``ThreadPool.settle()`` waits for the threads started while the pool ran to end."""
+SETTLE_QUIET_S = 0.05
+"""How long ``settle()`` waits for one more of those threads to end before taking the rest for
+threads that live on (the main thread's own OpenMP team, started meanwhile)."""
 
 
 class ThreadWorker(NamedTuple):
@@ -373,6 +378,7 @@ class ThreadPool:
         self._generation = 0
         self._stalled: set[int] = set()
         self._owner = os.getpid()  # a forked child has none of the threads
+        self._thread_ids_before = frozenset[str]()
 
     @property
     def threads(self) -> list[threading.Thread]:
@@ -406,6 +412,23 @@ class ThreadPool:
         self._stalled.clear()
         self._outbox = queue.SimpleQueue()  # results of the stopped threads are dropped
 
+    def settle(self) -> None:
+        """After ``close()``, wait for the threads that started while the pool ran to end
+        (``SETTLE_S`` at most), before processes are forked. A pool thread that ran torch ops
+        leaves an OpenMP team that ends just after it, releasing Intel MKL's buffers: a
+        process forked meanwhile copies MKL's allocator locked and spins forever in its
+        first matrix product (2 of 20 forks right after two threads' ``matmul``, none of 20
+        once these threads had ended)."""
+        deadline = time.monotonic() + SETTLE_S
+        quiet_until = time.monotonic() + SETTLE_QUIET_S
+        left = _thread_ids() - self._thread_ids_before
+        while left and time.monotonic() < min(deadline, quiet_until):
+            time.sleep(0.001)
+            still = left & _thread_ids()
+            if len(still) < len(left):
+                quiet_until = time.monotonic() + SETTLE_QUIET_S
+            left = still
+
     def __getstate__(self) -> dict[str, Any]:
         """A pool without threads (before its first ``iter()``, stopped at an epoch's end)
         pickles as its settings; one holding threads cannot (``refuse_live``)."""
@@ -430,6 +453,7 @@ class ThreadPool:
         all run (``signals_held``): one registered and never started would be waited for by
         ``close()`` and at exit, ``JOIN_S`` long."""
         outbox, workers = self._outbox, []
+        self._thread_ids_before = _thread_ids()
         for w in range(self.num_workers):
             inbox: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
             ended = threading.Event()
@@ -463,6 +487,14 @@ def _join_running_threads() -> None:
     running = [worker for worker in _RUNNING if worker.running()]
     _stop(running)
     _join(running)
+
+
+def _thread_ids() -> frozenset[str]:
+    """This process's threads, by kernel id (none where there is no ``/proc``)."""
+    try:
+        return frozenset(os.listdir("/proc/self/task"))
+    except OSError:
+        return frozenset()
 
 
 def _stop(workers: list[_Worker]) -> None:

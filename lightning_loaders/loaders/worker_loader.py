@@ -308,9 +308,13 @@ class WorkerLoader(DeliveryCore):
         """Stop every worker (new ones start from the cursor) and count a restart, or raise
         ``WorkerCrashedError`` past ``max_worker_restarts`` in this epoch (the restart is
         logged before the workers are stopped). After ``backend="auto"``
-        chose processes, only stop the threads: processes go on from the cursor."""
+        chose processes, only stop the threads, and let what they started end before the
+        processes are forked (``ThreadPool.settle``): processes go on from the cursor."""
         if isinstance(lost, BackendSwitch):
+            threads = self._pool
             self.close()
+            if isinstance(threads, ThreadPool):
+                threads.settle()
             return
         worker, pid, exitcode = lost.workers[0]
         rank, epoch, batch = self.schedule.placement[0], self.schedule.epoch, self._position()

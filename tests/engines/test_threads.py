@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_loaders import ResumableLoader
 from lightning_loaders.engines import threads as threads_module
 from lightning_loaders.engines.faults import Failed, Skipped
 from lightning_loaders.engines.fetch import Numbered
@@ -40,6 +41,7 @@ from lightning_loaders.engines.threads import (
     thread_worker,
 )
 from lightning_loaders.engines.transport import TRANSIT_BATCH_S
+from lightning_loaders.engines.workers import ProcessPool
 from lightning_loaders.errors import SampleFetchError
 from lightning_loaders.schedule.requests import SlotEnd
 
@@ -388,15 +390,17 @@ class Sleeps:
 
 
 class HoldsTheGil:
-    """``fetcher[r]`` is ``r`` after ``seconds`` of pure Python: nothing releases the GIL."""
+    """``fetcher[r]`` is ``r`` after ``rounds`` rounds of a loop in C that never gives up the
+    GIL: a fixed amount of work, so a fetch beside another takes twice its time alone however
+    busy the machine is (a deadline in wall time would let a thread that waited, for the GIL
+    or for a core, finish with less work done)."""
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+    def __init__(self, rounds: int) -> None:
+        self.rounds = rounds
 
     def __getitem__(self, request: int) -> int:
-        deadline = time.perf_counter() + self.seconds
-        while time.perf_counter() < deadline:
-            sum(range(100))
+        for _ in range(self.rounds):
+            sum(range(100_000))
         return request
 
 
@@ -408,11 +412,11 @@ def test_a_fetch_that_holds_the_gil_is_timed_from_its_request(
     monkeypatch.setattr(threads_module, "available_cpus", lambda: 2)
     monkeypatch.setattr(threads_module, "CROSSING_SHARE", 0.0)
     auto = AutoChoice(2)
-    pool = ThreadPool(HoldsTheGil(0.006), range(8), num_workers=2, auto=auto)
+    pool = ThreadPool(HoldsTheGil(5), range(8), num_workers=2, auto=auto)
     with pytest.raises(BackendSwitch):
         list(pool)
     assert auto.backend == "process"
-    assert max(auto.concurrent) > 1.5 * max(auto.serial), (auto.serial, auto.concurrent)
+    assert max(auto.concurrent) > 1.5 * min(auto.serial), (auto.serial, auto.concurrent)
     pool.close()
 
 
@@ -510,11 +514,50 @@ def test_pure_python_work_switches_to_processes_after_two_fetches_alone(
     threads hand over to processes before any of them runs busy."""
     monkeypatch.setattr(threads_module, "available_cpus", lambda: 2)
     auto = AutoChoice(2)
-    pool = ThreadPool(HoldsTheGil(0.02), range(8), num_workers=2, auto=auto)
+    pool = ThreadPool(HoldsTheGil(15), range(8), num_workers=2, auto=auto)
     with pytest.raises(BackendSwitch):
         list(pool)
     assert auto.backend == "process" and len(auto.serial) == 2 and auto.concurrent == []
     pool.close()
+
+
+def _task_ids() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="threads are counted in /proc")
+def test_the_threads_torch_ops_started_have_ended_once_the_pool_settles() -> None:
+    """Torch ops on a pool thread start an OpenMP team that ends after the thread: a process
+    forked meanwhile copies Intel MKL's allocator locked and hangs in its first matmul.
+    ``settle()`` waits for those threads."""
+    before = _task_ids()
+    pool = ThreadPool(MatMuls(), range(8), num_workers=2)
+    assert len(list(pool)) == 8
+    pool.close()
+    pool.settle()
+    assert _task_ids() <= before
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="threads are counted in /proc")
+def test_auto_forks_its_processes_once_the_threads_and_what_they_started_have_ended(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``backend="auto"`` measured torch ops on threads, then chose processes: it forks them
+    with no thread of the probe's left (under load a fork among them hung 1 of 6 runs)."""
+    monkeypatch.setattr(threads_module, "CROSSING_SHARE", 0.0)
+    monkeypatch.setattr(threads_module, "choose_backend", lambda *args, **kwargs: "process")
+    at_fork: list[set[str]] = []
+    start = ProcessPool._start
+
+    def forks(pool: ProcessPool) -> None:
+        at_fork.append(_task_ids())
+        start(pool)
+
+    monkeypatch.setattr(ProcessPool, "_start", forks)
+    before = _task_ids()
+    with ResumableLoader(MatMuls(), batch_size=1, num_workers=2, backend="auto") as loader:
+        assert len(list(loader)) == len(MatMuls())
+        assert loader.backend_in_use == "process"
+    assert len(at_fork) == 1 and at_fork[0] <= before
 
 
 def test_while_auto_measures_the_threads_hold_one_request_each() -> None:
