@@ -84,6 +84,10 @@ class Schedule(Protocol):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
+    def handing(self) -> None: ...
+
+    def take_back(self) -> bool: ...
+
     def loading(self) -> AbstractContextManager[None]: ...
 
     @property
@@ -136,6 +140,7 @@ class DeliveryCore:
     _prefetcher: weakref.ref[Any] | None = None
     _held: HeldNote | None = None  # what a prefetching fetcher holds (``note_held``)
     _lightning_iterates = False  # the last iter() came from Lightning's loop (every rank's)
+    _handing: object | None = None  # the latest next() (``Delivery``), until another call
     compare_ranks: bool | None = None
     """Whether the ranks compare their epochs' plans: ``None`` in Lightning's loops only,
     ``True`` in any loop, ``False`` never (``_compares_ranks``)."""
@@ -185,6 +190,11 @@ class DeliveryCore:
         if owned[0] != pid:  # forked: the child's only thread
             owned = self.__dict__["_lock"] = (pid, threading.RLock())
         return owned[1]
+
+    def _take_back(self) -> bool:
+        """Undo what counting the batch of a ``next()`` that raised changed (the schedule's
+        ``take_back``); whether it counted one."""
+        return self.schedule.take_back()
 
     def _own_worker_thread(self) -> str | None:
         """The name of the calling thread when it is one of this loader's worker threads
@@ -252,6 +262,7 @@ class DeliveryCore:
             self.schedule.load_state_dict(state_dict)
             self._load_parts(state_dict[PARTS])
         self._held = None
+        self._handing = None  # a next() that raises after this takes nothing back
 
     @_serialized
     def close(self) -> None:
@@ -349,6 +360,7 @@ class Delivery:
         self._batches: Iterator[Any] | None = None
         self._generation = -1
         self._started = False
+        self._call: object | None = None  # the last next(), while the loader's latest
         self.ends = 0
 
     def __iter__(self) -> Delivery:
@@ -372,30 +384,67 @@ class Delivery:
             lock.release()
 
     def __next__(self) -> Any:
+        """The next batch, counted. A ``next()`` that raises instead of returning it (a Ctrl-C
+        lands between any two bytecodes, also after the count) takes the count back
+        (``_taken_back``), so that the batch comes again."""
+        loader = self._loader
+        try:
+            with loader._serial():
+                loader._handing = self._call = object()  # this call, while the latest
+                loader.schedule.handing()
+                return self._next_batch()
+        except BaseException:
+            self.take_back()
+            raise
+
+    def take_back(self) -> None:
+        """The batch the last ``next()`` returned (or counted and raised) was not handed over:
+        a wrapper's ``next()`` raised before returning it. Take its count back, unless
+        another ``next()`` or a ``load_state_dict()`` came since."""
         loader = self._loader
         with loader._serial():
-            if loader._iter_token != self._token:
-                raise RuntimeError("this iterator was replaced by a newer iter() on its loader")
-            if self._batches is None or self._generation != loader._generation:
-                self._batches = loader._reopen() if self._started else loader._begin()
-                self._started = True
-                self._generation = loader._generation
-            try:
-                batch = next(self._batches)
-            except StopIteration:
-                loader._held = note_held(loader._prefetcher, handed=False)
-                self.ends += 1
-                raise
-            except BaseException:
-                self._batches = None
-                loader._close_after_error()
-                raise
-            # An engine restarted inside next() (after a worker crash) is current; a close()
-            # between two calls is not, and reopens at the cursor.
+            if loader._handing is self._call:
+                self._taken_back()
+
+    def _next_batch(self) -> Any:
+        loader = self._loader
+        if loader._iter_token != self._token:
+            raise RuntimeError("this iterator was replaced by a newer iter() on its loader")
+        if self._batches is None or self._generation != loader._generation:
+            self._batches = loader._reopen() if self._started else loader._begin()
+            self._started = True
             self._generation = loader._generation
-            if loader._prefetcher is not None:
-                loader._held = note_held(loader._prefetcher, handed=True)
-            return batch
+        try:
+            batch = next(self._batches)
+        except StopIteration:
+            loader.schedule.handing()  # batches counted with nothing to hand over stay so
+            loader._held = note_held(loader._prefetcher, handed=False)
+            self.ends += 1
+            raise
+        except BaseException:
+            self._batches = None
+            loader._close_after_error()
+            raise
+        # An engine restarted inside next() (after a worker crash) is current; a close()
+        # between two calls is not, and reopens at the cursor.
+        self._generation = loader._generation
+        if loader._prefetcher is not None:
+            loader._held = note_held(loader._prefetcher, handed=True)
+        return batch
+
+    def _taken_back(self) -> None:
+        """After this ``next()`` raised: take back the count of the batch it did not hand
+        over, if it counted one; the engine, already past that batch, is closed and reopens
+        at the cursor."""
+        loader = self._loader
+        loader._handing = None
+        if not loader._take_back():
+            return
+        if self._batches is not None:
+            self._batches = None
+            loader._close_after_error()
+        if loader._prefetcher is not None:
+            loader._held = note_held(loader._prefetcher, handed=False)
 
 
 def counted(batches: Iterable[Any], schedule: Any) -> Iterator[Any]:

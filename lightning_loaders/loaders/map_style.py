@@ -255,6 +255,16 @@ class MapStyleLoader(ResumableLoader):
             parts[_DATASET] = copy.deepcopy(self.dataset.state_dict())
         return parts
 
+    def _take_back(self) -> bool:
+        """Also the skipped samples recorded for the batch taken back: fetched again, they
+        are recorded again."""
+        if not super()._take_back():
+            return False
+        skipped = self._recent_skips.pop()
+        self._num_skipped -= skipped
+        del self.skipped[len(self.skipped) - skipped:]
+        return True
+
     def _check_parts(self, parts: Mapping[str, Any]) -> None:
         _saved_skip_count(parts)
 
@@ -394,6 +404,8 @@ class MapStyleLoader(ResumableLoader):
                     window.count(schedule, number)
                     if batch is not _NOTHING:
                         yield batch
+                    else:  # all skipped: its count stays, whatever this next() does next
+                        schedule.handing()
                     if schedule.order_version != version:
                         break
                 else:

@@ -51,14 +51,17 @@ class TunedDelivery:
     ``settled`` says whether the workers are what they will stay (``False`` while
     ``backend="auto"`` is still choosing: those batches are not measured); ``serial()``, the
     loader's lock, is held through each ``next()``, so that a setting is applied while no
-    other thread drives the pool."""
+    other thread drives the pool; ``take_back``, called when this ``next()`` raises after
+    ``inner``'s returned a batch, takes that batch's count back."""
 
     def __init__(self, inner: Iterator[Any], tuner: Autotuner,
                  apply: Callable[[Setting], None], batches_left: Callable[[], int | None],
                  untunable: Callable[[], str | None], *,
                  settled: Callable[[], bool] = lambda: True,
-                 serial: Callable[[], AbstractContextManager[Any]] = nullcontext) -> None:
+                 serial: Callable[[], AbstractContextManager[Any]] = nullcontext,
+                 take_back: Callable[[], None] = lambda: None) -> None:
         self._serial = serial
+        self._take_back = take_back
         self._inner = inner
         self._tuner = tuner
         self._apply = apply
@@ -72,25 +75,33 @@ class TunedDelivery:
         return self
 
     def __next__(self) -> Any:
-        with self._serial():
-            if self._returned is None:
-                self._apply_pending()
-            called = time.perf_counter()
-            try:
-                batch = next(self._inner)
-            except BaseException:
+        counted = False  # the inner next() returned a batch, which this one has to return
+        try:
+            with self._serial():
+                if self._returned is None:
+                    self._apply_pending()
+                called = time.perf_counter()
+                try:
+                    batch = next(self._inner)
+                except BaseException:
+                    self._returned = None
+                    self._apply_pending()  # at the epoch's end, or before a retry
+                    raise
+                counted = True
+                now = time.perf_counter()
+                if self._returned is None and not self._tuner.done:
+                    reason = self._untunable()
+                    if reason is not None:
+                        self._tuner.stop(reason)
+                elif self._returned is not None:
+                    self._measure(now - called, called - self._returned)
+                self._returned = now
+                return batch
+        except BaseException:
+            if counted:  # a Ctrl-C after the inner next() returned: the batch comes again
                 self._returned = None
-                self._apply_pending()  # at the epoch's end, or before a retry
-                raise
-            now = time.perf_counter()
-            if self._returned is None and not self._tuner.done:
-                reason = self._untunable()
-                if reason is not None:
-                    self._tuner.stop(reason)
-            elif self._returned is not None:
-                self._measure(now - called, called - self._returned)
-            self._returned = now
-            return batch
+                self._take_back()
+            raise
 
     def _measure(self, wait_s: float, work_s: float) -> None:
         """Time a batch for the tuner, and apply a decided setting when enough of the epoch is

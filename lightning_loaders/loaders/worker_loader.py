@@ -34,7 +34,7 @@ from lightning_loaders.errors import (
     user_error,
 )
 from lightning_loaders.hashing import mix64
-from lightning_loaders.loaders.delivery import DeliveryCore
+from lightning_loaders.loaders.delivery import Delivery, DeliveryCore
 from lightning_loaders.loaders.options import (
     LoaderOptions,
     check_loader_arguments,
@@ -156,8 +156,10 @@ class WorkerLoader(DeliveryCore):
         iterator = super().__iter__()
         if self._autotuner is None:
             return iterator
+        assert isinstance(iterator, Delivery)
         return TunedDelivery(iterator, self._autotuner, self._run_setting, self._batches_left,
-                             self._untunable, settled=self._settled, serial=self._serial)
+                             self._untunable, settled=self._settled, serial=self._serial,
+                             take_back=iterator.take_back)
 
     @property
     def autotune(self) -> Tuning | None:

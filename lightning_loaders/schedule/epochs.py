@@ -67,6 +67,34 @@ class EpochOwner:
         self._owner: int | None = None
         self._declared_for: LoaderState | None = None  # the restored state set_epoch followed
         self._recounted: LoaderState | None = None  # the restored state resume_batch answered
+        self._counted_from: Any = None  # the count before the batch being handed over
+
+    def handing(self) -> None:
+        """A batch is about to be handed over: the counts from now on are its own, which
+        ``take_back`` undoes (``delivered()`` notes the count as it was: ``_counting``)."""
+        self._counted_from = None
+
+    def take_back(self) -> bool:
+        """Undo the counts since ``handing()``: their batch was not handed over (a Ctrl-C
+        landed in ``next()`` after it was counted). Whether there were any."""
+        before, self._counted_from = self._counted_from, None
+        if before is None:
+            return False
+        self._count_back(before)
+        return True
+
+    def _counting(self) -> None:
+        """Called by ``delivered()`` before it counts: note the count as it was, once per
+        batch handed over."""
+        if self._counted_from is None:
+            self._counted_from = self._count_now()
+
+    def _count_now(self) -> Any:
+        """What ``delivered()`` changes, as it is now (``_count_back`` puts it back)."""
+        raise NotImplementedError
+
+    def _count_back(self, before: Any) -> None:
+        raise NotImplementedError
 
     @property
     def placement(self) -> tuple[int, int]:

@@ -281,7 +281,14 @@ class MapSchedule(EpochOwner):
 
     def delivered(self) -> None:
         """Count one batch handed to the caller."""
+        self._counting()
         self.batches += 1
+
+    def _count_now(self) -> int:
+        return self.batches
+
+    def _count_back(self, before: int) -> None:
+        self.batches = before
 
     def frontier(self, last_ahead: int | None = None) -> tuple[int, int] | None:
         """``(epoch, position)``: the first position of the epoch not delivered yet, a restored

@@ -209,6 +209,7 @@ class IterableSchedule(EpochOwner):
     def delivered(self, item: Delivered | None = None, last: bool = False) -> None:
         """Count one batch handed to the caller (``last``: the ranks agreed it ends the epoch;
         ``item`` is needed with unknown lengths only, to move its slot's cursor)."""
+        self._counting()
         self.batches += 1
         if self.known:
             assert self.layout is not None and self.layout.num_batches is not None
@@ -219,6 +220,17 @@ class IterableSchedule(EpochOwner):
         self._undo.append((item.slot, self.cursors[item.slot]))
         self.cursors[item.slot] = item.cursor
         self.ended = last or all(cursor.exhausted for cursor in self.cursors)
+
+    def _count_now(self) -> tuple[Any, ...]:
+        return self.batches, self.ended, self._open_tail, tuple(self._undo)
+
+    def _count_back(self, before: tuple[Any, ...]) -> None:
+        if not self.known:  # one batch counted: its slot's cursor goes back
+            slot, cursor = self._undo[-1]
+            self.cursors[slot] = cursor
+        self.batches, self.ended, self._open_tail, undo = before
+        self._undo.clear()
+        self._undo.extend(undo)
 
     def finish(self) -> None:
         """The epoch has no batch left on this rank."""

@@ -343,3 +343,109 @@ def test_close_or_state_from_inside_the_dataset_on_a_worker_thread_is_refused(
             "worker") in errors[0]
     assert "call it from the thread that iterates" in errors[0]
     assert [item for item in got if not isinstance(item, str)] == expected
+
+
+# -- a Ctrl-C in next() after the batch was counted ----------------------------------------
+
+
+WORKERS = {"0 workers": {}, "processes": {"num_workers": 2},
+           "threads": {"num_workers": 2, "backend": "thread"}}
+
+
+def _ctrl_c_at_the_next_count(loader: ResumableLoader, monkeypatch) -> None:
+    """The schedule's next ``delivered()`` counts its batch, then raises the
+    ``KeyboardInterrupt`` that a Ctrl-C landing just after it raises (the interpreter's
+    eval-breaker check after the call), inside the loader's ``next()``."""
+    schedule = loader.schedule
+    count = schedule.delivered
+
+    def interrupted(*args, **kwargs) -> None:
+        monkeypatch.undo()
+        count(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(schedule, "delivered", interrupted)
+
+
+def _samples(batches) -> list[list[int]]:
+    return [(b["index"] if isinstance(b, dict) else b).tolist() for b in batches]
+
+
+@pytest.mark.parametrize("workers", WORKERS.values(), ids=WORKERS.keys())
+@pytest.mark.parametrize("make", KINDS.values(), ids=KINDS.keys())
+def test_a_ctrl_c_after_the_count_loses_no_batch(make, workers, monkeypatch) -> None:
+    """The batch was counted before ``next()`` returned it: ``state_dict()`` said 3 batches
+    where the loop had 2, and both a resume and the same iterator going on skipped the third.
+    The ``next()`` that raises takes its count back: both go on with it."""
+    with make(shuffle=True, seed=3, **workers) as uninterrupted:
+        reference = _samples(uninterrupted)
+    loader = make(shuffle=True, seed=3, **workers)
+    iterator = iter(loader)
+    got = _samples([next(iterator), next(iterator)])
+    _ctrl_c_at_the_next_count(loader, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        next(iterator)
+    state = loader.state_dict()
+    assert state["batches"] == 2
+    with make(shuffle=True, seed=3, **workers) as fresh:
+        fresh.load_state_dict(state)
+        assert got + _samples(fresh) == reference
+    assert got + _samples(iterator) == reference
+    loader.close()
+    assert loader_processes() == []
+
+
+class _NineFails(IndexDataset):
+    """``IndexDataset(24)`` whose sample 9 (in the third batch, unshuffled) raises."""
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if index == 9:
+            raise ValueError("sample 9 is broken")
+        return super().__getitem__(index)
+
+
+def test_a_ctrl_c_after_the_count_records_the_batch_s_skipped_samples_once(
+        monkeypatch) -> None:
+    """The skipped sample of the batch taken back is recorded again as it is fetched again:
+    once in all, in ``skipped`` and in the saved skip count."""
+    def make() -> ResumableLoader:
+        return ResumableLoader(_NineFails(24), batch_size=4, on_error="skip")
+
+    loader = make()
+    iterator = iter(loader)
+    got = _samples([next(iterator), next(iterator)])
+    _ctrl_c_at_the_next_count(loader, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        next(iterator)
+    assert loader.num_skipped == 0
+    fresh = make()
+    fresh.load_state_dict(loader.state_dict())
+    assert got + _samples(fresh) == got + _samples(iterator)
+    assert (loader.skipped_indices, loader.num_skipped, fresh.num_skipped) == ([9], 1, 1)
+
+
+def test_a_ctrl_c_as_the_autotuner_times_a_batch_loses_no_batch(monkeypatch) -> None:
+    """With ``num_workers="auto"`` the tuner times each batch after the loader's ``next()``
+    returned it, inside the iterator's ``next()``: a Ctrl-C there lost the batch too."""
+    with _map_style(shuffle=True, seed=3, num_workers="auto") as uninterrupted:
+        reference = _samples(uninterrupted)
+    loader = _map_style(shuffle=True, seed=3, num_workers="auto")
+    iterator = iter(loader)
+    got = _samples([next(iterator), next(iterator)])
+    measure = iterator._measure
+
+    def interrupted(*args) -> None:
+        monkeypatch.undo()
+        measure(*args)
+        raise KeyboardInterrupt  # a Ctrl-C landing as the timing returns
+
+    monkeypatch.setattr(iterator, "_measure", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        next(iterator)
+    state = loader.state_dict()
+    assert state["batches"] == 2
+    with _map_style(shuffle=True, seed=3, num_workers="auto") as fresh:
+        fresh.load_state_dict(state)
+        assert got + _samples(fresh) == reference
+    assert got + _samples(iterator) == reference
+    loader.close()
