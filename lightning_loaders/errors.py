@@ -98,22 +98,23 @@ class SampleFetchError(LoaderError, RuntimeError):
 class WorkerInitError(LoaderError, RuntimeError):
     """``worker_init_fn`` raised in a worker process; the cause is the original exception.
 
-    Attributes: ``worker``, ``pid``, ``rank``, ``cause_type``, ``worker_traceback``,
-    ``loader_fields`` (as in ``SampleFetchError``).
+    Attributes: ``worker``, ``pid``, ``rank``, ``epoch`` (the one the worker started in),
+    ``cause_type``, ``worker_traceback``, ``loader_fields`` (as in ``SampleFetchError``).
     """
 
     worker: int | None
     pid: int | None
     rank: int | None
+    epoch: int | None
     cause_type: str
     worker_traceback: str | None
     loader_fields: dict[str, Any]
 
     def __init__(self, message: str, *, worker: int | None = None, pid: int | None = None,
-                 rank: int | None = None, cause_type: str = "",
+                 rank: int | None = None, epoch: int | None = None, cause_type: str = "",
                  worker_traceback: str | None = None) -> None:
         super().__init__(message)
-        _set_fields(self, worker=worker, pid=pid, rank=rank, cause_type=cause_type,
+        _set_fields(self, worker=worker, pid=pid, rank=rank, epoch=epoch, cause_type=cause_type,
                     worker_traceback=worker_traceback)
 
 

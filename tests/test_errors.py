@@ -243,15 +243,17 @@ def _failing_init(worker) -> None:
 def test_worker_init_fn_errors_name_the_worker_and_keep_the_cursor() -> None:
     loader = ResumableLoader(IndexDataset(12), batch_size=2, num_workers=2,
                              worker_init_fn=_failing_init, rank=0, world_size=1)
+    loader.set_epoch(3)
     iterator = iter(loader)
     next(iterator)  # batch 0 comes from worker 0; batch 1 from worker 1, which failed
     with pytest.raises(WorkerInitError) as info:
         next(iterator)
     error = info.value
-    assert (error.worker, error.rank, error.cause_type) == (1, 0, "OSError")
+    assert (error.worker, error.rank, error.epoch, error.cause_type) == (1, 0, 3, "OSError")
     assert isinstance(error, OSError), "except OSError: around the loop catches it, as torch's"
     assert isinstance(error.__cause__, OSError) and error.pid != os.getpid()
     assert "OSError in worker_init_fn of worker 1 (pid" in str(error)
+    assert "on rank 0, starting epoch 3: cannot open the database" in str(error)
     assert "_failing_init" in error.worker_traceback
     assert loader.state_dict()["batches"] == 1
     # A retry starts new workers from the cursor: batch 1 now falls to worker 0, batch 2 to the

@@ -402,9 +402,9 @@ class _WorkerStart:
             pid = os.getpid()
             error = user_error(
                 WorkerInitError, exc, f"{type(exc).__name__} in worker_init_fn of worker "
-                f"{worker_id} (pid {pid}) on rank {self.rank}: {exc}",
-                {"worker": worker_id, "pid": pid, "rank": self.rank,
-                 "cause_type": type(exc).__name__})
+                f"{worker_id} (pid {pid}) on rank {self.rank}, starting epoch {self.epoch}: "
+                f"{exc}", {"worker": worker_id, "pid": pid, "rank": self.rank,
+                           "epoch": self.epoch, "cause_type": type(exc).__name__})
             if not isinstance(fetcher, BatchFetcher):
                 raise error from exc
             error.__cause__ = exc
