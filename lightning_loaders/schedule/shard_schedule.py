@@ -448,7 +448,12 @@ class IterableSchedule(EpochOwner):
         if not batches:
             return saved, (0, 0, 0)
         first, batch, skip = _base(slots)
-        dealt = deal(self.config, epoch, saved, saved_world, first, skip)
+        try:
+            dealt = deal(self.config, epoch, saved, saved_world, first, skip)
+        except ValueError as exc:  # a state this data could not have written
+            raise StateMismatchError(
+                f"corrupted loader state: batches={batches} on world_size={saved_world} cannot "
+                f"have been saved from this data ({exc})") from exc
         samples = sum(segment[2] for batches_of_rank in dealt
                       for segment_batch in batches_of_rank[:batches - batch]
                       for segment in segment_batch)

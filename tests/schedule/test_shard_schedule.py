@@ -56,6 +56,10 @@ EDITS = [  # (loader, edit, the error's words): each raised a raw error or was a
                                     "batches on world size 1"),
     ("partitions", _batches(9), "batches=9 is past the end of epoch 0, which has 8 batches"),
     ("rollover", _batches(8), "batches=8 is past the end of epoch 0, which has 7 batches"),
+    ("partitions", lambda state: state.update(world_size=1000), "batches=2 on world_size=1000 "
+                                                                "cannot have been saved from "
+                                                                "this data (last_batch='keep' "
+                                                                "cannot give each of 1000 ranks"),
     ("unknown lengths", _slots(positions=[5]), f"rank 0's slot positions 5 are not 1 (its "
                                                f"slots per rank) {POSITION}, counts >= 0"),
     ("unknown lengths", _slots(positions=[[[-2, -4, -4, 0, -4, None, False]]]),
