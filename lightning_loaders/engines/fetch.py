@@ -219,7 +219,7 @@ class BatchFetcher(Dataset[Any]):
                 except Exception as exc:
                     k = current.skipped + len(samples)
                     if self.on_error != "skip":
-                        raise _fetch_error(request, k, exc) from exc
+                        raise _fetch_error(request, k, exc, within=self.dataset) from exc
                     skipped.append(SkippedSample(request.epoch, request.batch,
                                                  int(request.positions[k]), indices[k],
                                                  f"{type(exc).__name__}: "
@@ -237,9 +237,10 @@ class BatchFetcher(Dataset[Any]):
 
 
 def _fetch_error(request: BatchRequest, k: int | None, exc: BaseException,
-                 call: str = "") -> SampleFetchError:
+                 call: str = "", within: Any = None) -> SampleFetchError:
     """The error naming sample ``k`` of ``request`` (or, with ``k=None``, the batch that
-    ``call`` failed on)."""
+    ``call`` failed on), and what that index is in the dataset ``within`` when it can say
+    (``describe_index``: a ``Mix`` names the source and the source's own index)."""
     if k is None:
         shown = ", ".join(map(str, request.indices[:8].tolist()))
         more = ", ..." if len(request.indices) > 8 else ""
@@ -247,7 +248,9 @@ def _fetch_error(request: BatchRequest, k: int | None, exc: BaseException,
                                 f"[{shown}{more}])", epoch=request.epoch, batch=request.batch,
                            rank=request.rank)
     index, position = int(request.indices[k]), int(request.positions[k])
-    return fetch_error(exc, f"sample index {index} (epoch position {position}, batch "
+    describe = getattr(within, "describe_index", None)
+    what = f"{describe(index)}; " if callable(describe) else ""
+    return fetch_error(exc, f"sample index {index} ({what}epoch position {position}, batch "
                             f"{request.batch})", epoch=request.epoch, batch=request.batch,
                        rank=request.rank, index=index, position=position)
 

@@ -104,6 +104,11 @@ class Mix(Dataset[Any]):
         k = bisect.bisect_right(self._starts, index) - 1
         return k, index - self._starts[k]
 
+    def describe_index(self, index: int) -> str:
+        """What a mixture's index is in its source, for errors that name the index."""
+        k, i = self.source_of(index)
+        return f"sample {i} of source {k}"
+
     def __len__(self) -> int:
         return self._total
 

@@ -134,6 +134,28 @@ def test_a_source_shorter_than_its_declared_length_says_so() -> None:
         list(loader)
 
 
+class _FailsAt7(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int) -> int:
+        if index == 7:
+            raise KeyError(index)
+        return index
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_source_s_error_names_the_source_and_its_own_index(num_workers: int) -> None:
+    """The mixture's index alone (17) sent the user to a sample the failing source does not
+    have; the error names the source and the index it was asked for (7)."""
+    loader = ResumableLoader(Mix([list(range(10)), _FailsAt7()], [1, 1]), batch_size=2,
+                             num_workers=num_workers)
+    with pytest.raises(SampleFetchError, match=r"sample index 17 \(sample 7 of source 1; "
+                                               r"epoch position \d+") as error:
+        list(loader)
+    assert error.value.index == 17 and isinstance(error.value, KeyError)
+
+
 @pytest.mark.parametrize(("mode", "expected_len"), [("cycle", 7), ("replacement", 7), ("stop", 9)])
 def test_each_mode_defines_the_epoch_length(tmp_path: Path, mode: str, expected_len: int) -> None:
     kwargs = {"samples_per_epoch": 26} if mode != "stop" else {
