@@ -12,6 +12,7 @@ batch sampler's epoch whose batches differ in size, as those batches dealt whole
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -75,6 +76,8 @@ _SPLIT_BY_RANK = (
     "(ExactResume too); a ResumableDataModule converts its hooks' DataLoaders whatever that "
     "setting says: override its convert(loader, stage) to return that one as it is, or return "
     "it from a LightningDataModule")
+
+_log = logging.getLogger(__name__)
 
 
 class MapSchedule(EpochOwner):
@@ -385,9 +388,7 @@ class MapSchedule(EpochOwner):
             batches = max(self.batches - held, self._offset_batches)
             state = LoaderState(KIND, self.epoch, batches, self.placement[1], offset,
                                 self._offset_batches, self._owner, fingerprint=self.fingerprint(),
-                                parts={**self._order_state(),
-                                       AUDIT: audit_part(self.placement[0],
-                                                         self._cursor_digest(batches))})
+                                parts={**self._order_state(), **self._audit(batches)})
         return state.to_dict()
 
     def _restored_state(self) -> LoaderState:
@@ -412,6 +413,17 @@ class MapSchedule(EpochOwner):
         """The audit part of the cursor at ``batches`` of the epoch being delivered, on this
         rank, naming that cursor (an out-of-order state's frontier, not its ``batches``)."""
         return audit_part(self.placement[0], self._cursor_digest(batches), batches)
+
+    def _audit(self, batches: int) -> dict[str, Any]:
+        """The audit part of the cursor at ``batches``, or none where the epoch's order cannot
+        be drawn (a sampler that raised, its error already the loop's): the state is saved
+        unaudited, and a resume from it draws, and raises, again."""
+        try:
+            return {AUDIT: audit_part(self.placement[0], self._cursor_digest(batches))}
+        except Exception as exc:
+            _log.warning("loader state of epoch %s saved without its audit digest: drawing "
+                         "the epoch's order raised %r", self.epoch, exc)
+            return {}
 
     def _cursor_digest(self, batches: int) -> str:
         """The audit digest of the cursor at ``batches`` of the epoch being delivered here."""

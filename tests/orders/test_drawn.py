@@ -243,6 +243,29 @@ def test_a_sampler_that_raises_is_named_with_the_epoch_and_keeps_its_error() -> 
     assert not hasattr(refused.value, "__notes__")
 
 
+def test_a_state_saved_after_the_sampler_raised_loses_nothing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``state_dict()`` (a checkpoint written as the error leaves the loop) raised the
+    sampler's error again, from the audit digest, which draws the epoch's order: the state is
+    saved unaudited, and a resume from it reads the whole of epoch 1 once the sampler works."""
+    loader = ResumableLoader(IndexDataset(N), sampler=_FailsInEpoch1(), batch_size=4)
+    list(loader)
+    with pytest.raises(KeyError):
+        list(loader)
+    state = loader.state_dict()
+    assert (state["epoch"], state["batches"]) == (1, 0) and "audit" not in state["parts"]
+    assert "saved without its audit digest" in caplog.text
+    again = ResumableLoader(IndexDataset(N), sampler=_FailsInEpoch1(), batch_size=4)
+    again.load_state_dict(state)
+    with pytest.raises(KeyError, match="the sampler's own error"):
+        list(again)
+    fixed = _FailsInEpoch1()
+    fixed.set_epoch = lambda epoch: None  # stays at epoch 0: draws in full
+    working = ResumableLoader(IndexDataset(N), sampler=fixed, batch_size=4)
+    working.load_state_dict(state)
+    assert sum(len(batch["index"]) for batch in working) == N
+
+
 def test_a_non_deterministic_sampler_gets_a_clear_warning() -> None:
     """It names the resume it breaks, and no more: a generator of the sampler's own, seeded
     alike on every rank, draws one order on every rank (``tests/loaders/test_map_style.py``
