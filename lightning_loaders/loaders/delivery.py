@@ -191,6 +191,11 @@ class DeliveryCore:
             owned = self.__dict__["_lock"] = (pid, threading.RLock())
         return owned[1]
 
+    def _begin_handing(self) -> None:
+        """A batch is about to be handed over: the counts from now on are its own, which
+        ``_take_back`` undoes (the schedule's ``handing``)."""
+        self.schedule.handing()
+
     def _take_back(self) -> bool:
         """Undo what counting the batch of a ``next()`` that raised changed (the schedule's
         ``take_back``); whether it counted one."""
@@ -391,7 +396,7 @@ class Delivery:
         try:
             with loader._serial():
                 loader._handing = self._call = object()  # this call, while the latest
-                loader.schedule.handing()
+                loader._begin_handing()
                 return self._next_batch()
         except BaseException:
             self.take_back()
@@ -417,7 +422,7 @@ class Delivery:
         try:
             batch = next(self._batches)
         except StopIteration:
-            loader.schedule.handing()  # batches counted with nothing to hand over stay so
+            loader._begin_handing()  # batches counted with nothing to hand over stay so
             loader._held = note_held(loader._prefetcher, handed=False)
             self.ends += 1
             raise

@@ -405,7 +405,7 @@ class MapStyleLoader(ResumableLoader):
                     if batch is not _NOTHING:
                         yield batch
                     else:  # all skipped: its count stays, whatever this next() does next
-                        schedule.handing()
+                        self._begin_handing()
                     if schedule.order_version != version:
                         break
                 else:

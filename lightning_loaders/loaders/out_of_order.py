@@ -63,6 +63,7 @@ class DeliveredWindow:
         self._restored: tuple[int, int, frozenset[int]] | None = None
         self.order: list[int] | None = None
         """The epoch's batches in delivery order, once ``record_order()`` asked for them."""
+        self._counted: list[tuple[int, list[int], int | None]] = []  # since ``handing()``
 
     def record_order(self) -> list[int]:
         """Keep the epoch's batches in delivery order from now on (``order``, cleared at each
@@ -76,6 +77,7 @@ class DeliveredWindow:
         self._restored = None
         self.ahead.clear()
         self._recent.clear()
+        self._counted.clear()
         if self.order is not None:
             self.order.clear()
 
@@ -89,16 +91,42 @@ class DeliveredWindow:
     def count(self, schedule: Frontier, batch: int) -> None:
         """Count ``batch`` handed to the caller: the frontier moves over every batch
         delivered in a row, a batch past it joins the ahead set."""
-        self._recent.append(batch)
+        recent = self._recent
+        dropped = recent[0] if len(recent) == recent.maxlen else None
+        recent.append(batch)
         if self.order is not None:
             self.order.append(batch)
+        folded: list[int] = []  # the ahead batches the frontier moved over
+        self._counted.append((batch, folded, dropped))
         if batch != schedule.batches:
             self.ahead.add(batch)
             return
         schedule.delivered()
         while schedule.batches in self.ahead:
             self.ahead.remove(schedule.batches)
+            folded.append(schedule.batches)
             schedule.delivered()
+
+    def handing(self) -> None:
+        """A batch is about to be handed over: the counts from now on are its own, which
+        ``take_back`` undoes (as the schedule's ``handing``)."""
+        self._counted.clear()
+
+    def take_back(self) -> bool:
+        """Undo the counts since ``handing()`` here (the schedule's ``take_back`` undoes its
+        own): their batch was not handed over. Whether there were any: a batch that only
+        joined the ahead set counted too, and the engine is past it."""
+        counted = bool(self._counted)
+        while self._counted:
+            batch, folded, dropped = self._counted.pop()
+            self.ahead.discard(batch)
+            self.ahead.update(folded)
+            self._recent.pop()
+            if dropped is not None:
+                self._recent.appendleft(dropped)
+            if self.order:
+                self.order.pop()
+        return counted
 
     def saved(self, frontier: int, held: int) -> list[Any]:
         """``[frontier, runs]`` as a state, the last ``held`` delivered batches (which a

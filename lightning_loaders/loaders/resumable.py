@@ -228,6 +228,17 @@ class ResumableLoader(WorkerLoader):
         batch = super().resume_batch()
         return None if batch is None else batch + self._window.pending_ahead()
 
+    def _begin_handing(self) -> None:
+        super()._begin_handing()
+        self._window.handing()
+
+    def _take_back(self) -> bool:
+        """Also the window's count: a batch delivered past the frontier (``in_order=False``)
+        counted there alone, and one at it moved the frontier over the ahead batches that
+        followed it."""
+        window = self._window.take_back()
+        return super()._take_back() or window
+
 
 _COMBINED: dict[tuple[type[Any], type[Any]], type[Any]] = {}
 

@@ -671,3 +671,58 @@ def test_iterable_close_mid_epoch_goes_on_with_exactly_the_rest(tmp_path: Path) 
             gate.touch()
             loader.close()  # workers stop with batches past the frontier delivered
     assert ahead and Counter(got) == Counter(_iterable_plan(0))
+
+
+# -- a Ctrl-C in next() just after the window counted the batch ----------------------------
+
+
+def _ctrl_c_after_the_window_counts(loader: ResumableLoader, at_frontier: bool, monkeypatch
+                                    ) -> None:
+    """The window's next count of a batch at the frontier with batches ahead to fold in
+    (``at_frontier``), or past the frontier with one ahead already, counts it, then raises the
+    ``KeyboardInterrupt`` that a Ctrl-C landing just after it raises, inside ``next()``."""
+    window, schedule = loader._window, loader.schedule
+    count = window.count
+
+    def interrupted(frontier, batch: int) -> None:
+        if (batch == schedule.batches) != at_frontier or not window.ahead:
+            return count(frontier, batch)
+        monkeypatch.undo()
+        count(frontier, batch)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(window, "count", interrupted)
+
+
+MAKERS = {"map-style": (_make, lambda: _plan(24)),
+          "iterable": (_make_iterable, lambda: _iterable_plan(0))}
+
+
+@pytest.mark.parametrize("at_frontier", [True, False], ids=["at the frontier", "past it"])
+@pytest.mark.parametrize("kind", MAKERS.values(), ids=MAKERS.keys())
+def test_a_ctrl_c_after_the_window_counted_loses_and_repeats_no_batch(
+        tmp_path: Path, kind, at_frontier: bool, monkeypatch) -> None:
+    """A batch past the frontier counted in the window alone: nothing was taken back, and it
+    was lost. One at the frontier moved it over the batches ahead: the schedule's count came
+    back, but they had left the window, and came again. The window's count is taken back too:
+    a resume and the same iterator going on deliver exactly the rest."""
+    make, plan = kind
+    gate = tmp_path / "gate"
+    loader = make(gate)
+    _ctrl_c_after_the_window_counts(loader, at_frontier, monkeypatch)
+    got: list[tuple[int, ...]] = []
+    iterator = iter(loader)
+    with pytest.raises(KeyboardInterrupt):
+        for batch in iterator:
+            got.append(tuple(batch.tolist()))
+            if len(got) == 2:
+                gate.touch()
+    gate.touch()
+    state = checkpoint_roundtrip(loader.state_dict())
+    assert _ahead(state) or at_frontier, state  # a batch was ahead before the one taken back
+    resumed = make(gate)
+    resumed.load_state_dict(state)
+    assert Counter(got) + Counter(tuple(b.tolist()) for b in resumed) == Counter(plan())
+    assert Counter(got) + Counter(tuple(b.tolist()) for b in iterator) == Counter(plan())
+    loader.close()
+    resumed.close()
