@@ -173,6 +173,7 @@ class DALILoader(DeliveryCore):
         self._user_samplers = SamplerEpochs(sampler)
         self._restore: Restore | None = None
         self._closed: tuple[Placement, dict[str, Any]] | None = None  # the pipeline close() shut
+        self._unread: tuple[Placement, dict[str, Any]] | None = None  # before the last batch
         self._engine = EngineBox()
         self._finalizer = weakref.finalize(self, self._engine.close)
         self.sampler = EpochSampler(weakref.proxy(self))
@@ -264,6 +265,16 @@ class DALILoader(DeliveryCore):
 
     # -- epochs -----------------------------------------------------------------------------
 
+    def _take_back(self) -> bool:
+        """Also the pipeline, past the batch taken back: it is shut as it stood before it
+        read that batch (``close()`` keeps that DALI checkpoint), so that it reads the same
+        batch again, random operators included."""
+        if not super()._take_back():
+            return False
+        self._engine.close()
+        self._closed = self._unread
+        return True
+
     def _open_epoch(self) -> Iterator[Any]:
         """Decide which epoch and batch come next, bring the pipeline there, deliver."""
         schedule = self.schedule
@@ -345,6 +356,7 @@ class DALILoader(DeliveryCore):
         for size in sizes:
             if engine.order_version != schedule.order_version:
                 engine = self._rebuild_at_cursor(schedule)
+            self._unread = (engine.placement, engine.entry())  # ~0.02 ms, for a take-back
             batch = engine.next()
             engine.advance(last=schedule.remaining == 1)
             if size is not None and size < self.batch_size:

@@ -551,3 +551,35 @@ def test_a_dali_member_of_a_max_size_combined_loader_stays_finished(files, tmp_p
     fit_recording(make, tmp_path, 2, [every_step_checkpoints(chained)],
                   ckpt_path=checkpoint_at(tmp_path / "checkpoints", 2))
     assert fit_recording(make, tmp_path, 2, ckpt_path=checkpoint_at(chained, 3)) == full[3:]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_ctrl_c_after_the_count_reads_the_same_batch_again(files, mode, monkeypatch):
+    """A ``next()`` that raises after counting its batch takes the count back and reopens the
+    pipeline at the cursor: the batch read again is the one taken back, augmentations
+    included, whether the same iterator goes on or a state saved then resumes."""
+
+    def make() -> DALILoader:
+        return make_loader(mode, files[:21], 4)
+
+    reference = [key(batch) for batch in make()]
+    loader = make()
+    iterator = iter(loader)
+    got = [key(next(iterator)), key(next(iterator))]
+    schedule = loader.schedule
+    count = schedule.delivered
+
+    def interrupted() -> None:
+        monkeypatch.undo()
+        count()
+        raise KeyboardInterrupt  # a Ctrl-C landing just after the count
+
+    monkeypatch.setattr(schedule, "delivered", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        next(iterator)
+    state = loader.state_dict()
+    assert state["batches"] == 2
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert got + [key(batch) for batch in resumed] == reference
+    assert got + [key(batch) for batch in iterator] == reference
