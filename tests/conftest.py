@@ -52,6 +52,19 @@ def ctrl_c() -> Iterator[None]:
     signal.signal(signal.SIGINT, previous)
 
 
+def ctrl_c_after(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> None:
+    """``owner.name``'s next call runs, then raises the ``KeyboardInterrupt`` that a Ctrl-C
+    landing just after it raises (the interpreter's eval-breaker check after the call)."""
+    call = getattr(owner, name)
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        monkeypatch.undo()
+        call(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(owner, name, interrupted)
+
+
 _EARLIER: set[int] = set()  # child processes alive when the running test began
 
 

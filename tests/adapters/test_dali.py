@@ -27,7 +27,7 @@ from nvidia.dali.types import DALIDataType as DType  # noqa: E402
 from lightning_loaders import ResumableLoader, StateMismatchError, sample_rng  # noqa: E402
 from lightning_loaders.adapters.dali import DALILoader, FileSamples  # noqa: E402
 from lightning_loaders.testing import check_resume_at_every_step, run_epochs, set_epoch  # noqa: E402
-from tests.conftest import IndexDataset  # noqa: E402
+from tests.conftest import IndexDataset, ctrl_c_after  # noqa: E402
 from tests.ddp_harness import REPO, run_ddp  # noqa: E402
 from tests.lightning_harness import (  # noqa: E402
     check_trainer_resume,
@@ -566,15 +566,7 @@ def test_a_ctrl_c_after_the_count_reads_the_same_batch_again(files, mode, monkey
     loader = make()
     iterator = iter(loader)
     got = [key(next(iterator)), key(next(iterator))]
-    schedule = loader.schedule
-    count = schedule.delivered
-
-    def interrupted() -> None:
-        monkeypatch.undo()
-        count()
-        raise KeyboardInterrupt  # a Ctrl-C landing just after the count
-
-    monkeypatch.setattr(schedule, "delivered", interrupted)
+    ctrl_c_after(monkeypatch, loader.schedule, "delivered")
     with pytest.raises(KeyboardInterrupt):
         next(iterator)
     state = loader.state_dict()

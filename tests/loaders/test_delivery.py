@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_loaders import ResumableLoader, SequenceSource
-from tests.conftest import IndexDataset, loader_processes
+from tests.conftest import IndexDataset, ctrl_c_after, loader_processes
 
 
 def _map_style(**kwargs) -> ResumableLoader:
@@ -352,21 +352,6 @@ WORKERS = {"0 workers": {}, "processes": {"num_workers": 2},
            "threads": {"num_workers": 2, "backend": "thread"}}
 
 
-def _ctrl_c_at_the_next_count(loader: ResumableLoader, monkeypatch) -> None:
-    """The schedule's next ``delivered()`` counts its batch, then raises the
-    ``KeyboardInterrupt`` that a Ctrl-C landing just after it raises (the interpreter's
-    eval-breaker check after the call), inside the loader's ``next()``."""
-    schedule = loader.schedule
-    count = schedule.delivered
-
-    def interrupted(*args, **kwargs) -> None:
-        monkeypatch.undo()
-        count(*args, **kwargs)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(schedule, "delivered", interrupted)
-
-
 def _samples(batches) -> list[list[int]]:
     return [(b["index"] if isinstance(b, dict) else b).tolist() for b in batches]
 
@@ -382,7 +367,7 @@ def test_a_ctrl_c_after_the_count_loses_no_batch(make, workers, monkeypatch) -> 
     loader = make(shuffle=True, seed=3, **workers)
     iterator = iter(loader)
     got = _samples([next(iterator), next(iterator)])
-    _ctrl_c_at_the_next_count(loader, monkeypatch)
+    ctrl_c_after(monkeypatch, loader.schedule, "delivered")  # a Ctrl-C just after the count
     with pytest.raises(KeyboardInterrupt):
         next(iterator)
     state = loader.state_dict()
@@ -414,7 +399,7 @@ def test_a_ctrl_c_after_the_count_records_the_batch_s_skipped_samples_once(
     loader = make()
     iterator = iter(loader)
     got = _samples([next(iterator), next(iterator)])
-    _ctrl_c_at_the_next_count(loader, monkeypatch)
+    ctrl_c_after(monkeypatch, loader.schedule, "delivered")  # a Ctrl-C just after the count
     with pytest.raises(KeyboardInterrupt):
         next(iterator)
     assert loader.num_skipped == 0
@@ -432,14 +417,7 @@ def test_a_ctrl_c_as_the_autotuner_times_a_batch_loses_no_batch(monkeypatch) -> 
     loader = _map_style(shuffle=True, seed=3, num_workers="auto")
     iterator = iter(loader)
     got = _samples([next(iterator), next(iterator)])
-    measure = iterator._measure
-
-    def interrupted(*args) -> None:
-        monkeypatch.undo()
-        measure(*args)
-        raise KeyboardInterrupt  # a Ctrl-C landing as the timing returns
-
-    monkeypatch.setattr(iterator, "_measure", interrupted)
+    ctrl_c_after(monkeypatch, iterator, "_measure")  # a Ctrl-C as the timing returns
     with pytest.raises(KeyboardInterrupt):
         next(iterator)
     state = loader.state_dict()
