@@ -149,6 +149,7 @@ class MapStyleLoader(ResumableLoader):
         """Samples skipped under ``on_error="skip"`` in this process, in delivery order."""
         self._num_skipped = 0
         self._recent_skips: deque[int] = deque(maxlen=8)  # per delivered batch, newest last
+        self._skips_handed: tuple[int, int, tuple[int, ...]] = (0, 0, ())  # at ``handing``
 
     # -- the DataLoader surface -------------------------------------------------------------
 
@@ -255,15 +256,18 @@ class MapStyleLoader(ResumableLoader):
             parts[_DATASET] = copy.deepcopy(self.dataset.state_dict())
         return parts
 
+    def _begin_handing(self) -> None:
+        super()._begin_handing()
+        self._skips_handed = (len(self.skipped), self._num_skipped, tuple(self._recent_skips))
+
     def _take_back(self) -> bool:
-        """Also the skipped samples recorded for the batch taken back: fetched again, they
-        are recorded again."""
-        if not super()._take_back():
-            return False
-        skipped = self._recent_skips.pop()
-        self._num_skipped -= skipped
-        del self.skipped[len(self.skipped) - skipped:]
-        return True
+        """Also the skipped samples recorded since the handing began, counted or not yet:
+        the engine reopens at the cursor, and they are recorded again as it fetches them."""
+        skipped, self._num_skipped, recent = self._skips_handed
+        del self.skipped[skipped:]
+        self._recent_skips.clear()
+        self._recent_skips.extend(recent)
+        return super()._take_back()
 
     def _check_parts(self, parts: Mapping[str, Any]) -> None:
         _saved_skip_count(parts)

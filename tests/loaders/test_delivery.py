@@ -389,17 +389,22 @@ class _NineFails(IndexDataset):
         return super().__getitem__(index)
 
 
-def test_a_ctrl_c_after_the_count_records_the_batch_s_skipped_samples_once(
-        monkeypatch) -> None:
+@pytest.mark.parametrize("after", ["the count", "the batch's receipt"])
+def test_a_ctrl_c_in_next_records_the_batch_s_skipped_samples_once(after: str,
+                                                                     monkeypatch) -> None:
     """The skipped sample of the batch taken back is recorded again as it is fetched again:
-    once in all, in ``skipped`` and in the saved skip count."""
+    once in all, in ``skipped`` and in the saved skip count, also when the Ctrl-C lands after
+    the batch's skipped samples were recorded and before it was counted."""
     def make() -> ResumableLoader:
         return ResumableLoader(_NineFails(24), batch_size=4, on_error="skip")
 
     loader = make()
     iterator = iter(loader)
     got = _samples([next(iterator), next(iterator)])
-    ctrl_c_after(monkeypatch, loader.schedule, "delivered")  # a Ctrl-C just after the count
+    if after == "the count":
+        ctrl_c_after(monkeypatch, loader.schedule, "delivered")
+    else:
+        ctrl_c_after(monkeypatch, loader, "_receive")
     with pytest.raises(KeyboardInterrupt):
         next(iterator)
     assert loader.num_skipped == 0
