@@ -548,6 +548,50 @@ def test_an_epoch_cut_short_goes_on_under_max_epochs(tmp_path: Path, source: str
         assert _trained_until(source, tmp_path, ckpt_path=path) == full, path
 
 
+class _SkippingRest(EventModule):
+    """Skips the rest of epoch 0 at its ``batch_idx`` 3 (of 6): ``on_train_batch_start``
+    returns -1."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        if (self.current_epoch, batch_idx) == (0, 3):
+            self.events.append(("skip", self.current_epoch, batch_idx))
+            return -1
+        return None
+
+
+@pytest.mark.parametrize("source", ["DataLoader", "ResumableLoader", "ResumableDataModule"])
+@pytest.mark.parametrize("limit", ["max_epochs", "max_steps"])
+def test_an_epoch_whose_rest_was_skipped_is_not_reopened(tmp_path: Path, source: str,
+                                                        limit: str) -> None:
+    """``on_train_batch_start`` returning -1 ends the epoch with its data unread, as
+    ``max_steps`` and ``should_stop`` do, but Lightning's contract is that the rest is skipped:
+    resumed from the checkpoint of that epoch's ``on_train_epoch_end``, or one written after
+    ``fit`` returned there (``max_epochs=1``), the next epoch starts, as in the uninterrupted
+    run, with the logger step the same (Lightning counts the skipping batch processed, not
+    completed, and the epoch at its last batch: it is not taken for a cut epoch)."""
+    limits = {"max_epochs": 3} if limit == "max_epochs" else {"max_epochs": -1, "max_steps": 12}
+
+    def run(callbacks: Iterable[Any] = (), ckpt_path: Path | None = None,
+            save_to: Path | None = None, **overrides: Any) -> tuple[list[Event], int]:
+        model = _SkippingRest()
+        options = {**limits, **overrides}
+        trainer = make_trainer(tmp_path, options.pop("max_epochs"), [ExactResume(), *callbacks],
+                               **options)
+        trainer.fit(model, **_fit_arguments(source), ckpt_path=ckpt_path)
+        if save_to is not None:
+            trainer.save_checkpoint(save_to)
+        return model.events, trainer.fit_loop.epoch_loop._batches_that_stepped
+
+    full = run()
+    assert full[0][4:6] == [("skip", 0, 3), ("epoch", 1)]
+    directory = tmp_path / "checkpoints"
+    run([ModelCheckpoint(dirpath=directory, filename="{epoch}", save_top_k=-1,
+                         save_on_train_epoch_end=True)], save_to=tmp_path / "end.ckpt",
+        max_epochs=1)
+    for path in (directory / "epoch=0.ckpt", tmp_path / "end.ckpt"):
+        assert run(ckpt_path=path) == full, path
+
+
 class _ShortOfItsLength(torch.utils.data.IterableDataset):
     """12 samples where ``len()`` says 16: its epochs end before their ``len()``."""
 
@@ -619,6 +663,37 @@ def test_checkpoints_at_each_epochs_end_restore_the_loaders(tmp_path: Path, load
         path = directory / f"epoch={epoch}.ckpt"
         assert fit(loaders, tmp_path, ckpt_path=path, max_epochs=3, max_steps=max_steps
                    ) == full, epoch
+
+
+class _UnsizedMinSizeData(ResumableDataModule):
+    def train_dataloader(self) -> Any:
+        return unsized_min_size()[0]
+
+
+@pytest.mark.parametrize(("limit", "stop"), [("max_steps", 3), ("max_epochs", 1)])
+def test_a_data_modules_unsized_min_size_loader_from_a_runs_end(tmp_path: Path, limit: str,
+                                                               stop: int) -> None:
+    """A ``ResumableDataModule`` whose ``train_dataloader()`` is an unsized ``min_size``
+    ``CombinedLoader`` (``a`` left mid-epoch): a run stopped at epoch 0's end (3 batches) and
+    resumed from its ``last.ckpt`` or a checkpoint written after ``fit`` returned repeats
+    the uninterrupted run (9 steps, 3 epochs)."""
+    def run(until: int, callbacks: Iterable[Any] = (), ckpt_path: Path | None = None,
+            save_to: Path | None = None) -> list[Event]:
+        model = EventModule()
+        limits = {"max_epochs": until} if limit == "max_epochs" else {"max_steps": until}
+        trainer = make_trainer(tmp_path, limits.pop("max_epochs", -1), [ExactResume(), *callbacks],
+                               **limits)
+        trainer.fit(model, datamodule=_UnsizedMinSizeData(), ckpt_path=ckpt_path)
+        if save_to is not None:
+            trainer.save_checkpoint(save_to)
+        return model.events
+
+    full = run(3 * stop)
+    assert [event for event in full if event[0] == "epoch"] == [("epoch", e) for e in range(3)]
+    directory = tmp_path / "checkpoints"
+    run(stop, [ModelCheckpoint(dirpath=directory, save_last=True)], save_to=tmp_path / "end.ckpt")
+    for path in (directory / "last.ckpt", tmp_path / "end.ckpt"):
+        assert run(3 * stop, ckpt_path=path) == full, path
 
 
 def test_an_epoch_end_checkpoint_of_other_training_loaders_starts_them_afresh(tmp_path: Path
