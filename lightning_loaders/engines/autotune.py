@@ -63,6 +63,8 @@ __all__ = [
     "decide",
     "parse_cpu_times",
     "read_cpu_times",
+    "run_delay_s",
+    "threads_run_delay_s",
     "start",
 ]
 
@@ -125,6 +127,27 @@ def read_cpu_times() -> CpuTimes | None:
     except OSError:
         return None
     return parse_cpu_times(text, os.sched_getaffinity(0))
+
+
+def run_delay_s(schedstat: str = "/proc/thread-self/schedstat") -> float:
+    """Seconds a thread (by default the calling one) spent runnable but waiting for a core:
+    the second field of the kernel's ``schedstat``. On a busy machine a thread that computes
+    waits there, one that waits on I/O does not. 0 where there is no such file."""
+    try:
+        with open(schedstat, "rb") as file:
+            return int(file.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def threads_run_delay_s() -> dict[str, float]:
+    """``run_delay_s`` of each of this process's threads, by kernel id (none without
+    ``/proc``)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    return {tid: run_delay_s(f"/proc/self/task/{tid}/schedstat") for tid in tids}
 
 
 def busy_fraction(start: CpuTimes | None, end: CpuTimes | None) -> float | None:

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple, NoReturn, Protocol
 import torch
 from torch.utils.data import _utils as torch_data_utils
 
+from lightning_loaders.engines.autotune import run_delay_s
 from lightning_loaders.engines.faults import Raised
 
 __all__ = ["POLL_S", "Arrival", "FetchTimer", "InProcess", "PoolIterator", "WorkerLost",
@@ -271,13 +272,14 @@ class PoolIterator(Iterator[Any]):
 
 class FetchTimer(Protocol):
     """What ``InProcess`` reports its fetches to (``backend="auto"``'s ``AutoChoice``): while
-    ``serial_phase`` holds, each fetch's wall and CPU seconds and its result, as fetches that
-    ran alone."""
+    ``serial_phase`` holds, each fetch's wall and CPU seconds, its result and the seconds it
+    waited for a core, as fetches that ran alone."""
 
     @property
     def serial_phase(self) -> bool: ...
 
-    def record(self, serial: bool, wall_s: float, result: Any, cpu_s: float) -> None: ...
+    def record(self, serial: bool, wall_s: float, result: Any, cpu_s: float,
+               delay_s: float = 0.0) -> None: ...
 
 
 class InProcess:
@@ -293,9 +295,11 @@ class InProcess:
         fetcher, pin, timer = self.fetcher, self.pin, self.timer
         for request in self.sampler:
             if timer is not None and timer.serial_phase:
-                start, cpu = time.perf_counter(), time.thread_time()
+                start, cpu, delay = time.perf_counter(), time.thread_time(), run_delay_s()
                 data = fetcher[request]
-                timer.record(True, time.perf_counter() - start, data, time.thread_time() - cpu)
+                delay = run_delay_s() - delay  # first: a later wait would not be in the wall
+                timer.record(True, time.perf_counter() - start, data, time.thread_time() - cpu,
+                             delay)
             else:
                 data = fetcher[request]
             yield data if pin is None else torch_data_utils.pin_memory.pin_memory(data, pin)

@@ -40,7 +40,7 @@ import torch
 from torch.utils.data import _utils as torch_data_utils
 
 from lightning_loaders.context import set_samples, set_worker
-from lightning_loaders.engines.autotune import available_cpus
+from lightning_loaders.engines.autotune import available_cpus, run_delay_s, threads_run_delay_s
 from lightning_loaders.engines.faults import Failed, Skipped, captured
 from lightning_loaders.engines.fetch import Numbered
 from lightning_loaders.engines.pool import (
@@ -84,8 +84,10 @@ MIN_SPAN_S = 0.05
 advances in ticks of a few milliseconds: a shorter span would say little)."""
 COMPUTED = 0.25
 """The least share of a fetch's wall time on a CPU (its thread's CPU time) for which it
-computed rather than waited: under load a computing thread also waits for a core, so the bar is
-well below 1, and far above a fetch that waits on I/O or sleeps (a few percent)."""
+computed rather than waited; the time its thread waited for a core (run delay) is left out of
+the wall time. A computing thread also waits for the GIL, and for a core where the delay is not
+known, so the bar is well below 1, and far above a fetch that waits on I/O or sleeps (a few
+percent)."""
 CROSSING_SHARE = 0.1
 """The largest share of processes' time per batch spent on its crossing for which
 ``backend="auto"`` takes processes without trying threads (``crossing_share``)."""
@@ -212,6 +214,13 @@ class AutoChoice:
 
     Only results that are batches are timed (``_fetched_a_batch``): errors, batches with
     samples skipped and the ends of slots are not.
+
+    On a machine with more runnable threads than cores, a thread that computes spends much of
+    its time waiting for a core, and would look as if it waited on I/O. So each fetch's run
+    delay (``serial_delay``, ``concurrent_delay``: its thread's time runnable but not running,
+    ``autotune.run_delay_s``) is left out of its wall time where ``COMPUTED`` is applied, and
+    ``parallelism`` counts the cores the process used or wanted: its CPU seconds plus its
+    threads' run delay, per wall second. Without ``/proc`` the delay is 0 (as before).
     """
 
     num_workers: int
@@ -222,9 +231,12 @@ class AutoChoice:
     concurrent: list[float] = field(default_factory=list)
     concurrent_cpu: list[float] = field(default_factory=list)
     transit: list[float] = field(default_factory=list)
+    serial_delay: list[float] = field(default_factory=list)
+    concurrent_delay: list[float] = field(default_factory=list)
     parallelism: float | None = None
     min_span_s: float = MIN_SPAN_S
-    _phase_start: tuple[float, float] | None = field(default=None, init=False, repr=False)
+    _phase_start: tuple[float, float, dict[str, float]] | None = field(
+        default=None, init=False, repr=False)
 
     @property
     def serial_phase(self) -> bool:
@@ -238,16 +250,19 @@ class AutoChoice:
         """A request goes to a thread: the concurrent phase starts with the first one sent
         after the serial phase (its CPU use is read from there)."""
         if self.backend is None and self._phase_start is None and not self.serial_phase:
-            self._phase_start = (time.perf_counter(), time.process_time())
+            self._phase_start = (time.perf_counter(), time.process_time(),
+                                 threads_run_delay_s())
 
-    def record(self, serial: bool, wall_s: float, result: Any, cpu_s: float) -> None:
-        """Note one fetch's wall time, its thread's CPU time, and what its ``result`` would
-        take to cross from a process; decide once both phases are measured, or early (class
-        docstring)."""
+    def record(self, serial: bool, wall_s: float, result: Any, cpu_s: float,
+               delay_s: float = 0.0) -> None:
+        """Note one fetch's wall time, its thread's CPU time and run delay, and what its
+        ``result`` would take to cross from a process; decide once both phases are measured,
+        or early (class docstring)."""
         if self.backend is not None or not _fetched_a_batch(result):
             return
         (self.serial if serial else self.concurrent).append(wall_s)
         (self.serial_cpu if serial else self.concurrent_cpu).append(cpu_s)
+        (self.serial_delay if serial else self.concurrent_delay).append(delay_s)
         self.transit.append(transit_s(result))
         cores = available_cpus()
         if serial:
@@ -264,8 +279,8 @@ class AutoChoice:
         elif len(self.concurrent) == self.num_workers:
             threads, processes = speedups(self.serial, self.concurrent, self.num_workers, cores,
                                           transit_s=self._transit())
-            if processes >= EARLY_LEAD * threads and not _waited(self.concurrent,
-                                                                  self.concurrent_cpu):
+            if processes >= EARLY_LEAD * threads and not _waited(
+                    self.concurrent, self.concurrent_cpu, self.concurrent_delay):
                 self._decide(None, early=True)
 
     def _computed_crossing_share(self, cores: int) -> float | None:
@@ -274,21 +289,27 @@ class AutoChoice:
         if len(self.serial) < 2:
             return None
         fastest = min(range(len(self.serial)), key=self.serial.__getitem__)
-        if _waited([self.serial[fastest]], [self.serial_cpu[fastest]]):
+        if _waited([self.serial[fastest]], [self.serial_cpu[fastest]],
+                   [self.serial_delay[fastest]]):
             return None
         return crossing_share(self.serial[fastest], self._transit(), self.num_workers, cores)
 
     def _parallelism(self) -> float | None:
-        """The process's CPU seconds per wall second over the concurrent phase. Over a phase
-        shorter than ``min_span_s`` that says little; then, when the fetches mostly waited,
-        their threads' own CPU time (precise) stands in. A computing phase that short stays
+        """The process's CPU seconds plus its threads' run delay per wall second over the
+        concurrent phase: the cores it used or wanted. Over a phase shorter than
+        ``min_span_s`` that says little; then, when the fetches mostly waited, their threads'
+        own CPU time and run delay (precise) stand in. A computing phase that short stays
         unknown: next to tiny fetches, the threads' CPU understates what they deliver."""
         if self._phase_start is not None:
-            wall = time.perf_counter() - self._phase_start[0]
+            start, cpu, delays = self._phase_start
+            wall = time.perf_counter() - start
             if wall >= self.min_span_s:
-                self.parallelism = (time.process_time() - self._phase_start[1]) / wall
-            elif wall > 0 and _waited(self.concurrent, self.concurrent_cpu):
-                self.parallelism = sum(self.concurrent_cpu) / wall
+                delay = sum(max(0.0, now - delays.get(tid, 0.0))
+                            for tid, now in threads_run_delay_s().items())
+                self.parallelism = (time.process_time() - cpu + delay) / wall
+            elif wall > 0 and _waited(self.concurrent, self.concurrent_cpu,
+                                      self.concurrent_delay):
+                self.parallelism = (sum(self.concurrent_cpu) + sum(self.concurrent_delay)) / wall
         return self.parallelism
 
     def _transit(self) -> float:
@@ -304,10 +325,11 @@ class AutoChoice:
                   _rounded(self.serial), _rounded(self.concurrent), used, self._transit())
 
 
-def _waited(wall_s: list[float], cpu_s: list[float]) -> bool:
+def _waited(wall_s: list[float], cpu_s: list[float], delay_s: list[float]) -> bool:
     """Whether fetches mostly waited (I/O, sleeps): their thread's CPU time is under
-    ``COMPUTED`` of their wall time (medians)."""
-    return statistics.median(cpu_s) < COMPUTED * statistics.median(wall_s)
+    ``COMPUTED`` of their wall time less the time it waited for a core (medians)."""
+    unqueued = [wall - delay for wall, delay in zip(wall_s, delay_s, strict=True)]
+    return statistics.median(cpu_s) < COMPUTED * statistics.median(unqueued)
 
 
 def _fetched_a_batch(result: Any) -> bool:
@@ -327,6 +349,7 @@ class _Task(NamedTuple):
     number: int
     request: Any
     sent: float  # perf_counter() when the request was put in the thread's inbox
+    measured: bool  # ``backend="auto"`` measures: the thread reads its run delay too
 
 
 class _Result(NamedTuple):
@@ -335,6 +358,7 @@ class _Result(NamedTuple):
     data: Any
     wall_s: float  # from the request's sending to its result: waits for the GIL count too
     cpu_s: float  # the thread's CPU time in the fetch
+    delay_s: float  # the thread's time waiting for a core in the fetch (0 if not measured)
 
 
 class _Worker(NamedTuple):
@@ -548,6 +572,7 @@ def _serve(me: ThreadWorker, inbox: queue.SimpleQueue[_Task | None],
         while (task := inbox.get()) is not None:
             data: Any = failure
             cpu = time.thread_time()
+            delay = run_delay_s() if task.measured else 0.0
             if data is None:
                 try:
                     data = fetcher[task.request]
@@ -555,8 +580,10 @@ def _serve(me: ThreadWorker, inbox: queue.SimpleQueue[_Task | None],
                         data = torch_data_utils.pin_memory.pin_memory(data, pin[0])
                 except BaseException:
                     data = captured(where)
+            # the delay first: a wait for a core after the wall time is read would count in it
+            delay = run_delay_s() - delay if task.measured else 0.0
             outbox.put(_Result(task.generation, task.number, data,
-                               time.perf_counter() - task.sent, time.thread_time() - cpu))
+                               time.perf_counter() - task.sent, time.thread_time() - cpu, delay))
             del data, task
     finally:
         set_samples(None)
@@ -602,7 +629,9 @@ class _ThreadIterator(PoolIterator):
             self._serial.add(number)
         elif auto is not None:
             auto.sending()
-        workers[worker].inbox.put(_Task(self._generation, number, request, time.perf_counter()))
+        measured = auto is not None and auto.backend is None
+        workers[worker].inbox.put(_Task(self._generation, number, request, time.perf_counter(),
+                                        measured))
 
     def _take(self) -> Arrival:
         """The next result of this iterator's requests, waiting at most ``timeout``."""
@@ -623,7 +652,8 @@ class _ThreadIterator(PoolIterator):
             serial = result.number in self._serial
             self._serial.discard(result.number)
             if pool.auto is not None:
-                pool.auto.record(serial, result.wall_s, result.data, result.cpu_s)
+                pool.auto.record(serial, result.wall_s, result.data, result.cpu_s,
+                                 result.delay_s)
             return Arrival(result.number, result.data)
 
     def _check_alive(self) -> None:

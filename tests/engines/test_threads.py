@@ -420,6 +420,50 @@ def test_a_fetch_that_holds_the_gil_is_timed_from_its_request(
     pool.close()
 
 
+def test_a_fetch_that_waited_for_a_core_computed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an oversubscribed machine a computing fetch spends most of its wall time waiting for
+    a core (its run delay): 7 ms of CPU in 40 ms, 30 ms of them runnable. Without the delay it
+    looks like I/O; with it left out of the wall time it computed, and takes processes."""
+    monkeypatch.setattr(threads_module, "available_cpus", lambda: 2)
+    assert 0.007 / 0.04 < COMPUTED < 0.007 / (0.04 - 0.03)
+    starved = AutoChoice(2)
+    for _ in range(2):
+        starved.record(True, 0.04, None, 0.007, 0.03)
+    assert starved.backend == "process" and starved.serial_delay == [0.03, 0.03]
+    unknown = AutoChoice(2)  # no run delay known (no /proc): it looks as if it waited
+    for _ in range(2):
+        unknown.record(True, 0.04, None, 0.007)
+    assert unknown.backend is None and unknown.serial_phase
+
+
+@pytest.mark.skipif(not Path("/proc/thread-self/schedstat").is_file(),
+                    reason="the run delay is read from /proc")
+def test_a_fetch_that_holds_the_gil_switches_to_processes_with_the_cores_oversubscribed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three busy loops a core beside the pool: its threads wait for a core most of each
+    fetch, and their CPU time alone is well under ``COMPUTED`` of the wall time. Their run
+    delay tells that wait from I/O, so pure-Python work still hands over to processes (the
+    crossing shortcut is off: the probe with every thread busy decides)."""
+    monkeypatch.setattr(threads_module, "available_cpus", lambda: 2)
+    monkeypatch.setattr(threads_module, "CROSSING_SHARE", 0.0)
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+             for _ in range(3 * (os.cpu_count() or 1))]
+    try:
+        time.sleep(0.2)  # the loops are running
+        auto = AutoChoice(2)
+        pool = ThreadPool(HoldsTheGil(5), range(8), num_workers=2, auto=auto)
+        with pytest.raises(BackendSwitch):
+            list(pool)
+        pool.close()
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+    assert auto.backend == "process", (auto.serial, auto.serial_cpu, auto.serial_delay,
+                                       auto.concurrent, auto.concurrent_cpu,
+                                       auto.concurrent_delay, auto.parallelism)
+
+
 def _probe(auto: AutoChoice, serial_s: float, concurrent_s: list[float]) -> list[str | None]:
     """What ``auto`` has chosen after each of ``concurrent_s``, fed after its serial phase's
     fetches alone of ``serial_s`` each. The fetches alone are fed as waiting (no CPU time),
