@@ -38,6 +38,21 @@ class RangeDataset(torch.utils.data.Dataset[int]):
         return index
 
 
+class EpochSampler(torch.utils.data.Sampler[int]):
+    """A sampler of ``size`` indices that keeps its epoch, as ``DistributedSampler`` does;
+    subclasses draw from ``self.epoch``."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+
 @pytest.fixture
 def index_dataset() -> IndexDataset:
     return IndexDataset(23)

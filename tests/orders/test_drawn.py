@@ -13,7 +13,7 @@ from lightning_loaders.orders import drawn
 from lightning_loaders.orders.drawn import DrawnBatchOrder, DrawnOrder
 from lightning_loaders.testing import check_resume_at_every_step, run_epochs
 from tests.buckets import GrowingCurriculum, curriculum_epochs
-from tests.conftest import IndexDataset
+from tests.conftest import EpochSampler, IndexDataset
 
 N = 21
 
@@ -117,24 +117,15 @@ def test_drawing_leaves_global_rngs_and_the_samplers_generator_alone() -> None:
         assert (again.tolist() == first.tolist()) is same
 
 
-class Rolled(Sampler[int]):
-    """Keeps its epoch as ``DistributedSampler`` does; each epoch rolls the indices by it."""
-
-    def __init__(self) -> None:
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return N
+class Rolled(EpochSampler):
+    """Each epoch rolls the indices by the epoch."""
 
     def __iter__(self):
         return iter(np.roll(np.arange(N), self.epoch).tolist())
 
 
 def test_set_epoch_is_called_before_each_draw() -> None:
-    order = DrawnOrder(Rolled(), seed=0)
+    order = DrawnOrder(Rolled(N), seed=0)
     assert order.indices(3, np.arange(2)).tolist() == [18, 19]
 
 
@@ -166,7 +157,7 @@ def test_the_users_set_epoch_on_a_drawn_sampler_is_followed_and_the_draws_own_is
     own ``set_epoch`` leaves the sampler's ``epoch`` as the user set it, so it is not taken
     for the user's (which would abandon a cursor restored afterwards)."""
     def restarted_at_2(make) -> list[list[int]]:
-        sampler = Rolled()
+        sampler = Rolled(N)
         loader = make(IndexDataset(N), sampler=sampler, batch_size=4)
         out = []
         for epoch in (2, 3):
@@ -175,7 +166,7 @@ def test_the_users_set_epoch_on_a_drawn_sampler_is_followed_and_the_draws_own_is
         return out
 
     assert restarted_at_2(ResumableLoader) == restarted_at_2(DataLoader)
-    sampler = Rolled()
+    sampler = Rolled(N)
     sampler.set_epoch(1)
     loader = ResumableLoader(IndexDataset(N), sampler=sampler, batch_size=4)
     iterator = iter(loader)
@@ -197,17 +188,8 @@ def test_an_iterator_as_sampler_is_refused_as_read_once(sampler) -> None:
         make_resumable(loader)
 
 
-class _FailsInEpoch1(Sampler[int]):
+class _FailsInEpoch1(EpochSampler):
     """A sampler whose ``__iter__`` raises halfway through epoch 1."""
-
-    def __init__(self) -> None:
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return N
 
     def __iter__(self) -> Iterator[int]:
         for i in range(N):
@@ -229,7 +211,7 @@ class _Short(Sampler[int]):
 def test_a_sampler_that_raises_is_named_with_the_epoch_and_keeps_its_error() -> None:
     """The loader iterates the sampler far from the user's code: the error came bare, with no
     epoch and no word of the draw. It keeps its type and traceback, and says both."""
-    loader = ResumableLoader(IndexDataset(N), sampler=_FailsInEpoch1(), batch_size=4)
+    loader = ResumableLoader(IndexDataset(N), sampler=_FailsInEpoch1(N), batch_size=4)
     assert len(list(loader)) == len(loader)  # epoch 0
     with pytest.raises(KeyError, match="the sampler's own error") as caught:
         list(loader)
@@ -248,18 +230,18 @@ def test_a_state_saved_after_the_sampler_raised_loses_nothing(
     """``state_dict()`` (a checkpoint written as the error leaves the loop) raised the
     sampler's error again, from the audit digest, which draws the epoch's order: the state is
     saved unaudited, and a resume from it reads the whole of epoch 1 once the sampler works."""
-    loader = ResumableLoader(IndexDataset(N), sampler=_FailsInEpoch1(), batch_size=4)
+    loader = ResumableLoader(IndexDataset(N), sampler=_FailsInEpoch1(N), batch_size=4)
     list(loader)
     with pytest.raises(KeyError):
         list(loader)
     state = loader.state_dict()
     assert (state["epoch"], state["batches"]) == (1, 0) and "audit" not in state["parts"]
     assert "saved without its audit digest" in caplog.text
-    again = ResumableLoader(IndexDataset(N), sampler=_FailsInEpoch1(), batch_size=4)
+    again = ResumableLoader(IndexDataset(N), sampler=_FailsInEpoch1(N), batch_size=4)
     again.load_state_dict(state)
     with pytest.raises(KeyError, match="the sampler's own error"):
         list(again)
-    fixed = _FailsInEpoch1()
+    fixed = _FailsInEpoch1(N)
     fixed.set_epoch = lambda epoch: None  # stays at epoch 0: draws in full
     working = ResumableLoader(IndexDataset(N), sampler=fixed, batch_size=4)
     working.load_state_dict(state)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Sampler, SubsetRandomSampler
 
 from lightning_loaders import ResumableLoader, make_resumable
-from tests.conftest import IndexDataset
+from tests.conftest import EpochSampler, IndexDataset
 from tests.ddp_harness import write_result
 from tests.lightning_harness import fetched_cases
 
@@ -88,17 +88,8 @@ class ShortOnRankOne(Sampler[int]):
         return iter(range(N - dist.get_rank()))
 
 
-class RankOrderFromEpochOne(Sampler[int]):
+class RankOrderFromEpochOne(EpochSampler):
     """One order on every rank in epoch 0, then rotated by the rank."""
-
-    def __init__(self) -> None:
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return N
 
     def __iter__(self) -> Iterator[int]:
         shift = dist.get_rank() if self.epoch else 0
@@ -124,7 +115,7 @@ def main() -> None:
         "generator-per-rank": lambda: _plain(
             shuffle=True, generator=torch.Generator().manual_seed(rank)),
         "short-on-rank-1": lambda: _plain(ShortOnRankOne()),
-        "rank-order-from-epoch-1": lambda: _plain(RankOrderFromEpochOne()),
+        "rank-order-from-epoch-1": lambda: _plain(RankOrderFromEpochOne(N)),
         "batch-size-per-rank": lambda: _plain(shuffle=True, batch_size=2 + rank),
         "rank-share-placed-by-hand": lambda: ResumableLoader(
             IndexDataset(N), sampler=RankShare(N), batch_size=2, rank=0, world_size=1),
